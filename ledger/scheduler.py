@@ -1,0 +1,410 @@
+"""The scheduler: vLLM V1's single token budget, no prefill/decode phases.
+
+Each step first serves `running` (oldest first), growing each request by what it still needs
+(a prefill chunk or one decode token); when a request cannot grow, it preempts from the tail of
+`running` (the lowest priority under the priority policy) by recompute. Only if nothing was
+preempted does it admit from `waiting`, while blocks, budget and `max_num_seqs` allow, stopping
+at the first request that does not fit. The whole policy is `schedule()`, read top to bottom.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ledger.block_pool import Eviction
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_model_len: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+    long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal "
+                f"to max_num_seqs ({self.max_num_seqs})."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}). This effectively limits the maximum sequence length to "
+                "max_num_batched_tokens and makes the scheduler reject longer sequences. Please "
+                "increase max_num_batched_tokens or decrease max_model_len."
+            )
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the workers have not seen (new, or resumed after preemption): all its blocks."""
+
+    request: Request
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A running request: only the tokens and blocks appended since its last step."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class Admission:
+    request_id: str
+    resumed: bool
+    num_hit_tokens: int
+    num_hit_blocks: int
+    num_new_blocks: int
+    num_free_blocks_after: int
+    watermark_applied: bool
+
+
+@dataclass(slots=True)
+class Preemption:
+    request_id: str
+    caused_by: str  # the running request that could not grow
+    num_blocks_freed: int
+    reason: str = "kv_cache_full"
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # What happened to blocks this step, for traces and metrics.
+    admissions: list[Admission] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)
+    evictions: dict[str, list[Eviction]] = field(default_factory=dict)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """One request's result of a step: the token it got and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+class WaitingQueue:
+    """FCFS (a deque) or priority (a heap ordered by Request.__lt__) waiting queue."""
+
+    def __init__(self, policy: str) -> None:
+        self.priority = policy == "priority"
+        self._fcfs: deque[Request] = deque()
+        self._heap: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        if self.priority:
+            heapq.heappush(self._heap, request)
+        else:
+            self._fcfs.append(request)
+
+    def prepend(self, request: Request) -> None:
+        """A preempted request goes back to the front (its own priority decides in a heap)."""
+        if self.priority:
+            heapq.heappush(self._heap, request)
+        else:
+            self._fcfs.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0] if self.priority else self._fcfs[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap) if self.priority else self._fcfs.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.priority:
+            self._heap.remove(request)
+            heapq.heapify(self._heap)
+        else:
+            self._fcfs.remove(request)
+
+    def __iter__(self):
+        return iter(sorted(self._heap) if self.priority else self._fcfs)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.priority else len(self._fcfs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.step_id = 0
+        self.num_preemptions = 0
+        # Requests freed since the last step: the workers drop their state.
+        self.finished_req_ids: set[str] = set()
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: {request.num_tokens} prompt tokens leave no room "
+                f"for output within max_model_len {self.config.max_model_len}"
+            )
+        request.block_size = self.block_size
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or fail) requests wherever they are; returns those that were still known."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        out = SchedulerOutput(step_id=self.step_id, finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        token_budget = self.config.max_num_batched_tokens
+        new_blocks_of: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+
+        # 1. Running requests first, oldest first.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
+            if num_new_tokens == 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    self._attribute_evictions(out, request)
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < index:
+                    index -= 1
+                if victim in scheduled_running:  # only under the priority policy
+                    scheduled_running.remove(victim)
+                    token_budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    new_blocks_of.pop(victim.request_id)
+                self._preempt(victim, caused_by=request, out=out)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                if self.config.policy == "priority" and request.status == RequestStatus.PREEMPTED:
+                    continue  # the request preempted itself; the one now at `index` is next
+                break
+            scheduled_running.append(request)
+            new_blocks_of[request.request_id] = [block.block_id for block in new_blocks]
+            out.num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            index += 1
+
+        # 2. Waiting requests, only when nobody was preempted this step.
+        scheduled_new: list[Request] = []
+        while not out.preemptions and len(self.waiting) and token_budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
+                break
+            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
+            watermark_applied = bool(self.running) and self.kv_cache_manager.watermark_blocks > 0
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_hit_tokens,
+                hit_blocks,
+                full_sequence_must_fit=True,
+                has_scheduled_reqs=bool(self.running),
+            )
+            if new_blocks is None:
+                break  # head-of-line: nothing behind it jumps the queue
+            self._attribute_evictions(out, request)
+            self.kv_cache_manager.record_prefix_cache_stats(request, num_hit_tokens)
+            self.waiting.pop()
+            resumed = request.status == RequestStatus.PREEMPTED
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            self.running.append(request)
+            scheduled_new.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            out.admissions.append(
+                Admission(
+                    request_id=request.request_id,
+                    resumed=resumed,
+                    num_hit_tokens=num_hit_tokens,
+                    num_hit_blocks=len(hit_blocks),
+                    num_new_blocks=len(new_blocks),
+                    num_free_blocks_after=self.kv_cache_manager.num_free_blocks,
+                    watermark_applied=watermark_applied,
+                )
+            )
+
+        # 3. What the workers need, then advance num_computed_tokens past this step.
+        for request in scheduled_new:
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    request=request,
+                    token_ids=list(request.all_token_ids),
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            request.num_tokens_sent = request.num_tokens
+        for request in scheduled_running:
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(
+                    request=request,
+                    new_token_ids=request.all_token_ids[request.num_tokens_sent :],
+                    new_block_ids=new_blocks_of[request.request_id],
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            request.num_tokens_sent = request.num_tokens
+        for request_id, num_tokens in out.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        return out
+
+    def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        # Leave room for the token this step samples.
+        return max(min(num_new, token_budget, self.config.max_model_len - num_computed - 1), 0)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, caused_by: Request, out: SchedulerOutput) -> None:
+        """Preempt by recompute: free every block (tail first), start over from the front."""
+        num_freed = self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+        out.preempted_req_ids.append(request.request_id)
+        out.preemptions.append(Preemption(request.request_id, caused_by.request_id, num_freed))
+
+    def _attribute_evictions(self, out: SchedulerOutput, request: Request) -> None:
+        evictions = self.kv_cache_manager.take_evictions()
+        if evictions:
+            out.evictions.setdefault(request.request_id, []).extend(evictions)
+
+    # ---------------------------------------------------------------- results of a step
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+        """Append each sampled token, stop finished requests and free their blocks."""
+        updates = []
+        for request_id in out.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            token = sampled.get(request_id)
+            if request is None or token is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that stops short samples nothing
+            request.append_output_token_ids(token)
+            if self._check_stop(request):
+                self.running.remove(request)
+                self._free_request(request)
+                updates.append(RequestUpdate(request, [token], True, RequestStatus.finish_reason(request.status)))
+            else:
+                updates.append(RequestUpdate(request, [token], False))
+        return updates
+
+    def _check_stop(self, request: Request) -> bool:
+        last = request.all_token_ids[-1]
+        if request.num_output_tokens >= request.min_tokens:
+            if request.eos_token_id is not None and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in request.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.num_tokens >= self.config.max_model_len or request.num_output_tokens >= request.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---------------------------------------------------------------- state
+
+    def preempt_all(self, reason: str) -> list[Preemption]:
+        """Preempt every running request (a worker was lost: its KV data is gone)."""
+        out = SchedulerOutput(step_id=self.step_id)
+        for request in reversed(list(self.running)):
+            self.running.remove(request)
+            self._preempt(request, caused_by=request, out=out)
+        for preemption in out.preemptions:
+            preemption.reason = reason
+        return out.preemptions
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(len(self.waiting))

