@@ -13,7 +13,14 @@ BlockHash = bytes
 
 
 class KVCacheBlock:
-    __slots__ = ("block_hash", "block_id", "next_free_block", "prev_free_block", "ref_cnt", "stored_by")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "next_free_block",
+        "prev_free_block",
+        "ref_cnt",
+        "stored_by",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

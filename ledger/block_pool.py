@@ -97,7 +97,9 @@ class BlockPool:
         record_evictions: bool = False,
     ) -> None:
         if num_gpu_blocks < 2:
-            raise ValueError(f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_gpu_blocks}")
+            raise ValueError(
+                f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_gpu_blocks}"
+            )
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -128,7 +130,9 @@ class BlockPool:
         block_hash = block.block_hash
         if self.cached_block_hash_to_block.pop(block_hash, block.block_id) is not None:
             if self.enable_kv_cache_events:
-                self.kv_event_queue.append(BlockRemoved(block_hashes=[to_event_hash(block_hash)], group_idx=0))
+                self.kv_event_queue.append(
+                    BlockRemoved(block_hashes=[to_event_hash(block_hash)], group_idx=0)
+                )
             if self.record_evictions:
                 self.evictions.append(Eviction(block.block_id, block_hash, block.stored_by))
         block.reset_hash()
@@ -191,12 +195,18 @@ class BlockPool:
             block.stored_by = request_id
             cache.insert(block_hash, block)
         if self.enable_kv_cache_events:
-            parent = to_event_hash(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None
+            parent = (
+                to_event_hash(block_hashes[num_cached_blocks - 1]) if num_cached_blocks else None
+            )
             self.kv_event_queue.append(
                 BlockStored(
-                    block_hashes=[to_event_hash(h) for h in block_hashes[num_cached_blocks:num_full_blocks]],
+                    block_hashes=[
+                        to_event_hash(h) for h in block_hashes[num_cached_blocks:num_full_blocks]
+                    ],
                     parent_block_hash=parent,
-                    token_ids=list(token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]),
+                    token_ids=list(
+                        token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
+                    ),
                     block_size=block_size,
                     lora_name=lora_name,
                     extra_keys=event_extra_keys,
@@ -209,7 +219,9 @@ class BlockPool:
         """Forget every hash; refused (False, with a warning) while any block is held."""
         num_used = self.num_gpu_blocks - 1 - self.get_num_free_blocks()
         if num_used != 0:
-            logger.warning("Failed to reset prefix cache because some blocks (%d) are not freed yet", num_used)
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet", num_used
+            )
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:

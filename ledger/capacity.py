@@ -13,10 +13,18 @@ from dataclasses import dataclass
 GiB = 1 << 30
 
 DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "float16": 2, "fp16": 2, "half": 2,
-    "bfloat16": 2, "bf16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
 }
 
 
@@ -28,7 +36,9 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype.lower().removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unknown KV cache dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_BYTES))}") from None
+        raise ValueError(
+            f"unknown KV cache dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_BYTES))}"
+        ) from None
 
 
 def kv_cache_bytes_per_block(
@@ -62,13 +72,21 @@ def format_gib(num_bytes: int) -> str:
 
 
 def kv_budget_from_utilization(
-    total_bytes: int, gpu_memory_utilization: float, weights_bytes: int, peak_activation_bytes: int,
+    total_bytes: int,
+    gpu_memory_utilization: float,
+    weights_bytes: int,
+    peak_activation_bytes: int,
     non_torch_bytes: int = 0,
 ) -> int:
     """The share of the device this instance may use, minus what the model itself needs."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    return int(total_bytes * gpu_memory_utilization) - weights_bytes - peak_activation_bytes - non_torch_bytes
+    return (
+        int(total_bytes * gpu_memory_utilization)
+        - weights_bytes
+        - peak_activation_bytes
+        - non_torch_bytes
+    )
 
 
 def num_blocks_from_memory(
@@ -108,7 +126,9 @@ def estimate_max_model_len(available_bytes: int, shape: KVCacheShape, max_model_
     return best
 
 
-def check_enough_kv_cache_memory(available_bytes: int, shape: KVCacheShape, max_model_len: int) -> None:
+def check_enough_kv_cache_memory(
+    available_bytes: int, shape: KVCacheShape, max_model_len: int
+) -> None:
     """Refuse to start when one request of max_model_len cannot fit, with vLLM's messages.
 
     The null block is held back from the budget first, as vLLM plans against usable blocks.

@@ -35,7 +35,15 @@ class BlockStored:
     session_id: str | None = None
     lookahead_token_ids: list[list[int]] | None = None
 
-    REQUIRED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+    REQUIRED = (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    )
 
 
 @dataclass(slots=True)
@@ -55,7 +63,9 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
-EVENT_TYPES: dict[str, type] = {cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+EVENT_TYPES: dict[str, type] = {
+    cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
+}
 _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f for f in cls.__dataclass_fields__) for cls in EVENT_TYPES.values()
 }
@@ -146,7 +156,9 @@ def _event_from_array(raw: list[Any]) -> KVCacheEvent:
     values = raw[1:]
     minimum = {BlockStored: 4, BlockRemoved: 1, AllBlocksCleared: 0}[cls]
     if len(values) < minimum:
-        raise EventDecodeError(f"{raw[0]}: {len(values)} positional fields, expected at least {minimum}")
+        raise EventDecodeError(
+            f"{raw[0]}: {len(values)} positional fields, expected at least {minimum}"
+        )
     fields = dict(zip(_FIELDS[cls], values, strict=False))
     for name in cls.REQUIRED:
         fields.setdefault(name, None)

@@ -52,7 +52,9 @@ def get_hash_fn(algo: str) -> Callable[[Any], bytes]:
     try:
         return HASH_FUNCTIONS[algo]
     except KeyError:
-        raise ValueError(f"Unsupported hash algorithm {algo!r}: choose one of {', '.join(HASH_ALGOS)}") from None
+        raise ValueError(
+            f"Unsupported hash algorithm {algo!r}: choose one of {', '.join(HASH_ALGOS)}"
+        ) from None
 
 
 def resolve_none_hash_seed(algo: str, environ: Mapping[str, str] = os.environ) -> str:

@@ -68,7 +68,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, record_evictions)
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching, enable_kv_cache_events, record_evictions
+        )
         # Minimum free blocks kept when admitting waiting/preempted requests, against thrash.
         self.watermark_blocks = int(watermark * num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -104,7 +106,9 @@ class KVCacheManager:
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if self.enable_caching:
-            self.prefix_cache_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+            self.prefix_cache_stats.record(
+                request.num_tokens, num_hits, request.num_preemptions > 0
+            )
 
     def allocate_slots(
         self,
@@ -129,13 +133,20 @@ class KVCacheManager:
         min(comp + new_comp + new, request.num_tokens). Nothing changes when it returns None.
         """
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
-            raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
         request_id = request.request_id
         held = self.req_to_blocks.get(request_id)
         num_held = len(held) if held is not None else 0
-        num_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+        num_computed = min(
+            request.num_computed_tokens + num_new_computed_tokens, self.max_model_len
+        )
         watermark = 0
-        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        if has_scheduled_reqs and request.status in (
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        ):
             watermark = self.watermark_blocks
         num_free = self.block_pool.get_num_free_blocks()
         # Free hit blocks leave the free queue when touched, so they count against capacity.
@@ -148,7 +159,9 @@ class KVCacheManager:
             if max(full - num_held - num_hits, 0) + num_evictable_hits + watermark > num_free:
                 return None
 
-        num_tokens_need_slot = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_tokens_need_slot = min(
+            num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
         num_required = cdiv(num_tokens_need_slot, self.block_size)
         num_new_blocks = max(num_required - num_held - num_hits, 0)
         if num_new_blocks + num_evictable_hits + watermark > num_free:

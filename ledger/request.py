@@ -116,7 +116,9 @@ class Request:
     def update_block_hashes(self) -> None:
         """Hash every block that became full since the last call (chained from the last hash)."""
         hasher = self.block_hasher
-        if hasher is None or (len(self.block_hashes) + 1) * self.block_size > len(self.all_token_ids):
+        if hasher is None or (len(self.block_hashes) + 1) * self.block_size > len(
+            self.all_token_ids
+        ):
             return
         self.block_hashes.extend(
             hasher.hash_blocks(

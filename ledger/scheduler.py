@@ -161,6 +161,16 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        lendable = kv_cache_manager.block_pool.num_gpu_blocks - 1
+        needed = -(-config.max_model_len // kv_cache_manager.block_size)
+        if needed > lendable:
+            # A request could then grow past the whole pool and wedge the queue forever.
+            raise ValueError(
+                f"To serve at least one request with max_model_len ({config.max_model_len}), "
+                f"{needed} KV cache blocks are needed, but the pool lends {lendable}. The estimated "
+                f"maximum model length is {lendable * kv_cache_manager.block_size}. Decrease "
+                "max_model_len or give the pool more blocks."
+            )
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
@@ -214,7 +224,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, token_budget)
+            num_new_tokens = self._num_new_tokens(
+                request, request.num_computed_tokens, token_budget
+            )
             if num_new_tokens == 0:
                 index += 1
                 continue
@@ -347,7 +359,9 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results of a step
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[RequestUpdate]:
         """Append each sampled token, stop finished requests and free their blocks."""
         updates = []
         for request_id in out.num_scheduled_tokens:
@@ -361,7 +375,11 @@ class Scheduler:
             if self._check_stop(request):
                 self.running.remove(request)
                 self._free_request(request)
-                updates.append(RequestUpdate(request, [token], True, RequestStatus.finish_reason(request.status)))
+                updates.append(
+                    RequestUpdate(
+                        request, [token], True, RequestStatus.finish_reason(request.status)
+                    )
+                )
             else:
                 updates.append(RequestUpdate(request, [token], False))
         return updates
@@ -376,7 +394,10 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
-        if request.num_tokens >= self.config.max_model_len or request.num_output_tokens >= request.max_tokens:
+        if (
+            request.num_tokens >= self.config.max_model_len
+            or request.num_output_tokens >= request.max_tokens
+        ):
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -61,7 +61,9 @@ def _waste_pct(waste: int, lengths: Sequence[tuple[int, int]], done: int) -> flo
 
 
 def run_contiguous(
-    lengths: Sequence[tuple[int, int]], pool_tokens: int = BLOG_POOL_TOKENS, max_len: int = BLOG_MAX_MODEL_LEN
+    lengths: Sequence[tuple[int, int]],
+    pool_tokens: int = BLOG_POOL_TOKENS,
+    max_len: int = BLOG_MAX_MODEL_LEN,
 ) -> SimResult:
     """Reserve max_len slots per request on arrival; release them in one piece at the end."""
     free: list[tuple[int, int]] = [(0, pool_tokens)]  # sorted (start, length) intervals
@@ -111,8 +113,13 @@ def run_contiguous(
             r[3] += 1
         peak = max(peak, len(running))
     return SimResult(
-        allocator="contiguous", block_size=max_len, watermark=0.0, steps=steps, done=len(waits),
-        peak_concurrency=peak, avg_wait_steps=round(sum(waits) / max(len(waits), 1), 1),
+        allocator="contiguous",
+        block_size=max_len,
+        watermark=0.0,
+        steps=steps,
+        done=len(waits),
+        peak_concurrency=peak,
+        avg_wait_steps=round(sum(waits) / max(len(waits), 1), 1),
     )
 
 
@@ -163,10 +170,18 @@ def run_blog_paged(
         peak = max(peak, len(running))
         peak_used = max(peak_used, num_blocks - pool.get_num_free_blocks())
     return SimResult(
-        allocator=f"paged-b{block_size}", block_size=block_size, watermark=watermark, steps=steps,
-        done=len(waits), peak_concurrency=peak, preemptions=preemptions, peak_blocks_used=peak_used,
-        total_blocks=num_blocks, avg_wait_steps=round(sum(waits) / max(len(waits), 1), 1),
-        internal_waste_tokens=waste, internal_waste_pct=_waste_pct(waste, lengths, len(waits)),
+        allocator=f"paged-b{block_size}",
+        block_size=block_size,
+        watermark=watermark,
+        steps=steps,
+        done=len(waits),
+        peak_concurrency=peak,
+        preemptions=preemptions,
+        peak_blocks_used=peak_used,
+        total_blocks=num_blocks,
+        avg_wait_steps=round(sum(waits) / max(len(waits), 1), 1),
+        internal_waste_tokens=waste,
+        internal_waste_pct=_waste_pct(waste, lengths, len(waits)),
     )
 
 
@@ -186,12 +201,19 @@ def run_vllm(
     """Our scheduler on the workload; every request arrives at step 0, 'sampling' is synthetic."""
     num_blocks = pool_tokens // block_size
     manager = KVCacheManager(
-        num_blocks + 1, block_size, max_model_len, enable_caching=enable_caching,
-        watermark=watermark, record_evictions=True,
+        num_blocks + 1,
+        block_size,
+        max_model_len,
+        enable_caching=enable_caching,
+        watermark=watermark,
+        record_evictions=True,
     )
     scheduler = Scheduler(
-        SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens),
+        SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        ),
         manager,
     )
     hasher = BlockHasher(hash_algo, seed="kvledger-sim") if enable_caching else None
@@ -199,8 +221,14 @@ def run_vllm(
     for i, sim in enumerate(workload):
         index_of[sim.request_id] = i
         scheduler.add_request(
-            Request(sim.request_id, sim.prompt_token_ids, sim.max_tokens, arrival_time=float(i),
-                    block_hasher=hasher, block_size=block_size)
+            Request(
+                sim.request_id,
+                sim.prompt_token_ids,
+                sim.max_tokens,
+                arrival_time=float(i),
+                block_hasher=hasher,
+                block_size=block_size,
+            )
         )
     total = len(workload)
     admitted_at: dict[str, int] = {}
@@ -227,7 +255,9 @@ def run_vllm(
         peak = max(peak, scheduler.num_running)
         peak_used = max(peak_used, num_blocks - manager.num_free_blocks)
         sampled = {
-            request_id: synthetic_token(index_of[request_id], scheduler.requests[request_id].num_tokens)
+            request_id: synthetic_token(
+                index_of[request_id], scheduler.requests[request_id].num_tokens
+            )
             for request_id in out.num_scheduled_tokens
         }
         for update in scheduler.update_from_output(out, sampled):
@@ -244,12 +274,22 @@ def run_vllm(
     stats = manager.prefix_cache_stats
     stored = sum(sim.prompt_len + sim.max_tokens for sim in workload)
     return SimResult(
-        allocator=label, block_size=block_size, watermark=watermark, steps=steps, done=done,
-        peak_concurrency=peak, preemptions=scheduler.num_preemptions, peak_blocks_used=peak_used,
-        total_blocks=num_blocks, avg_wait_steps=round(sum(waits) / max(len(waits), 1), 1),
-        internal_waste_tokens=waste, internal_waste_pct=round(100 * waste / max(stored, 1), 2),
-        prefix_caching=enable_caching, prefill_tokens_computed=prefill_tokens,
-        prefix_hit_tokens=stats.hits + stats.preempted_hits, blocks_allocated=allocated,
+        allocator=label,
+        block_size=block_size,
+        watermark=watermark,
+        steps=steps,
+        done=done,
+        peak_concurrency=peak,
+        preemptions=scheduler.num_preemptions,
+        peak_blocks_used=peak_used,
+        total_blocks=num_blocks,
+        avg_wait_steps=round(sum(waits) / max(len(waits), 1), 1),
+        internal_waste_tokens=waste,
+        internal_waste_pct=round(100 * waste / max(stored, 1), 2),
+        prefix_caching=enable_caching,
+        prefill_tokens_computed=prefill_tokens,
+        prefix_hit_tokens=stats.hits + stats.preempted_hits,
+        blocks_allocated=allocated,
         blocks_evicted=evicted,
     )
 

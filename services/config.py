@@ -54,8 +54,18 @@ def env(name: str, default: str | None = None) -> str | None:
     return default if value is None or value == "" else value
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -64,9 +74,11 @@ def parse_bytes(text: str | int) -> int:
         return text
     raw = text.strip().lower().replace("_", "").replace(",", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(number):].strip()
+    unit = raw[len(number) :].strip()
     if unit not in _UNITS or not number:
-        raise ValueError(f"cannot read {text!r} as a size: use bytes or a unit such as 512MiB, 20GiB")
+        raise ValueError(
+            f"cannot read {text!r} as a size: use bytes or a unit such as 512MiB, 20GiB"
+        )
     return int(float(number) * _UNITS[unit])
 
 

@@ -56,7 +56,9 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
         raise WireError(f"expected a msgpack map, got {type(body).__name__}")
     version = body.pop("v", None)
     if version != WIRE_VERSION:
-        raise WireError(f"field 'v': unsupported wire version {version!r} (this build speaks {WIRE_VERSION})")
+        raise WireError(
+            f"field 'v': unsupported wire version {version!r} (this build speaks {WIRE_VERSION})"
+        )
     kind = body.pop("kind", None)
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
@@ -88,7 +90,9 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _from_plain(cls: type[T], body: Any, path: str) -> T:
     if not isinstance(body, dict):
-        raise WireError(f"field '{path or cls.__name__}': expected a map, got {type(body).__name__}")
+        raise WireError(
+            f"field '{path or cls.__name__}': expected a map, got {type(body).__name__}"
+        )
     hints = _hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
