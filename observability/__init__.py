@@ -1,0 +1,54 @@
+"""Observability for every kvledger service: tracing (OTLP to Jaeger), structured logs that carry
+trace ids, and Prometheus metrics with vLLM's names. No business logic lives here.
+"""
+
+from __future__ import annotations
+
+from observability.logging import configure_logging, get_logger
+from observability.metrics import (
+    CONTENT_TYPE,
+    GatewayMetrics,
+    LedgerMetrics,
+    LedgerSnapshot,
+    metrics_handler,
+    new_registry,
+    render,
+)
+from observability.tracing import (
+    Attr,
+    SpanName,
+    extract_context,
+    format_block_hashes,
+    get_tracer,
+    inject_traceparent,
+    link_from_traceparent,
+    links_from_traceparents,
+    record_span,
+    setup_tracing,
+    shutdown_tracing,
+    usage_attributes,
+)
+
+__all__ = [
+    "CONTENT_TYPE",
+    "Attr",
+    "GatewayMetrics",
+    "LedgerMetrics",
+    "LedgerSnapshot",
+    "SpanName",
+    "configure_logging",
+    "extract_context",
+    "format_block_hashes",
+    "get_logger",
+    "get_tracer",
+    "inject_traceparent",
+    "link_from_traceparent",
+    "links_from_traceparents",
+    "metrics_handler",
+    "new_registry",
+    "record_span",
+    "render",
+    "setup_tracing",
+    "shutdown_tracing",
+    "usage_attributes",
+]

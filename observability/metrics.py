@@ -1,0 +1,311 @@
+"""Prometheus metrics: vLLM's names, labels and buckets (vllm/v1/metrics/loggers.py) where vLLM
+has the metric, kvledger_* for our own. Each service builds its metrics on its own registry,
+never the global default, so tests and `kvledger up` can hold several side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, fields
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# vLLM labels every engine metric with the served model and the engine index (data parallel
+# rank); kvledger has one ledger, engine "0", so vLLM dashboards work unchanged.
+VLLM_LABELS = ("model_name", "engine")
+
+# fmt: off
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+# vLLM shares this list between e2e latency, queue, inference, prefill and decode time.
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+# Ours: a step is a dispatch to the workers and back, milliseconds on a GPU, more on a CPU.
+STEP_DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+# fmt: on
+
+
+def new_registry() -> CollectorRegistry:
+    return CollectorRegistry(auto_describe=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSnapshot:
+    """The ledger's gauges and counter totals, small enough to publish in its status key so
+    that the gateway's /metrics can show them (`GatewayMetrics.mirror_ledger`)."""
+
+    kv_cache_usage: float = 0.0
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    evicted_blocks: int = 0
+    kv_events_published: int = 0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float | int]) -> LedgerSnapshot:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# (metric name, documentation, LedgerSnapshot field) for what the gateway mirrors.
+_MIRRORED_GAUGES = (
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    (
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        "num_requests_running",
+    ),
+    (
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        "num_requests_waiting",
+    ),
+)
+_MIRRORED_COUNTERS = (
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+    (
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "prefix_cache_queries",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "prefix_cache_hits",
+    ),
+    (
+        "kvledger_evicted_blocks",
+        "Cached KV blocks evicted to make room for allocations.",
+        "evicted_blocks",
+    ),
+    (
+        "kvledger_kv_events_published",
+        "KV-cache events (BlockStored, BlockRemoved, "
+        "AllBlocksCleared) appended to the events stream.",
+        "kv_events_published",
+    ),
+)
+
+
+class LedgerMetrics:
+    """What the ledger knows: scheduler state, KV-cache usage, prefix cache, preemptions,
+    queue time, evictions, events and step latency. Counters go up by the amount given."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str = "0") -> None:
+        self.registry = registry
+        self.labels = {"model_name": model_name, "engine": engine}
+        self._gauges = {name: self._gauge(name, doc) for name, doc, _ in _MIRRORED_GAUGES}
+        self._counters = {name: self._counter(name, doc) for name, doc, _ in _MIRRORED_COUNTERS}
+        self._queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            VLLM_LABELS,
+            registry=registry,
+            buckets=REQUEST_LATENCY_BUCKETS,
+        ).labels(**self.labels)
+        self._step_duration = Histogram(
+            "kvledger_step_duration_seconds",
+            "Scheduler step latency: dispatch to the workers until their results are applied.",
+            VLLM_LABELS,
+            registry=registry,
+            buckets=STEP_DURATION_BUCKETS,
+        ).labels(**self.labels)
+        self._dead_letters = dead_letters_counter(registry)
+
+    def set_scheduler_state(
+        self, *, num_running: int, num_waiting: int, kv_cache_usage: float
+    ) -> None:
+        """After each step: running/waiting requests and the share of blocks in use (0..1)."""
+        self._gauges["vllm:num_requests_running"].set(num_running)
+        self._gauges["vllm:num_requests_waiting"].set(num_waiting)
+        # Clamped rather than raised: a metrics update must never stop the scheduler.
+        self._gauges["vllm:kv_cache_usage_perc"].set(min(1.0, max(0.0, kv_cache_usage)))
+
+    def record_prefix_cache(self, *, queried_tokens: int, hit_tokens: int) -> None:
+        """One prefix-cache lookup, in tokens as vLLM counts them."""
+        self._counters["vllm:prefix_cache_queries"].inc(queried_tokens)
+        self._counters["vllm:prefix_cache_hits"].inc(hit_tokens)
+
+    def record_preemptions(self, count: int = 1) -> None:
+        self._counters["vllm:num_preemptions"].inc(count)
+
+    def record_queue_time(self, seconds: float) -> None:
+        """Enqueue to first admission of one request."""
+        self._queue_time.observe(seconds)
+
+    def record_evictions(self, num_blocks: int) -> None:
+        self._counters["kvledger_evicted_blocks"].inc(num_blocks)
+
+    def record_kv_events(self, count: int) -> None:
+        self._counters["kvledger_kv_events_published"].inc(count)
+
+    def record_step(self, seconds: float) -> None:
+        self._step_duration.observe(seconds)
+
+    def record_dead_letter(self, stream: str) -> None:
+        self._dead_letters.labels(stream=stream).inc()
+
+    def snapshot(self) -> LedgerSnapshot:
+        """The current values, read back from the registry so they match the exposition."""
+        values = _sample_values(self.registry, self.labels)
+        by_field = {field: values[name] for name, _, field in _MIRRORED_GAUGES}
+        by_field |= {field: int(values[f"{name}_total"]) for name, _, field in _MIRRORED_COUNTERS}
+        return LedgerSnapshot(**by_field)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, VLLM_LABELS, registry=self.registry).labels(**self.labels)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, VLLM_LABELS, registry=self.registry).labels(**self.labels)
+
+
+class GatewayMetrics:
+    """What the gateway sees per request (time to first token, end-to-end latency, tokens,
+    finish reason), plus the ledger's latest snapshot under the same vLLM names."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str = "0") -> None:
+        self.registry = registry
+        self.labels = {"model_name": model_name, "engine": engine}
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            VLLM_LABELS,
+            registry=registry,
+            buckets=TTFT_BUCKETS,
+        ).labels(**self.labels)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            VLLM_LABELS,
+            registry=registry,
+            buckets=REQUEST_LATENCY_BUCKETS,
+        ).labels(**self.labels)
+        self._prompt_tokens = Counter(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            VLLM_LABELS,
+            registry=registry,
+        ).labels(**self.labels)
+        self._generation_tokens = Counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            VLLM_LABELS,
+            registry=registry,
+        ).labels(**self.labels)
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            (*VLLM_LABELS, "finished_reason"),
+            registry=registry,
+        )
+        self._dead_letters = dead_letters_counter(registry)
+        self._mirror = _LedgerMirror(self.labels)
+        registry.register(self._mirror)
+
+    def record_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def record_request_finished(
+        self,
+        *,
+        e2e_seconds: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finished_reason: str = "stop",
+    ) -> None:
+        """One finished request; finished_reason as vLLM's: stop, length, abort, error."""
+        self._e2e.observe(e2e_seconds)
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(generation_tokens)
+        self._success.labels(**self.labels, finished_reason=finished_reason).inc()
+
+    def record_dead_letter(self, stream: str) -> None:
+        self._dead_letters.labels(stream=stream).inc()
+
+    def mirror_ledger(self, snapshot: LedgerSnapshot) -> None:
+        """Show the ledger's latest gauges and totals on this /metrics (nothing until called)."""
+        self._mirror.snapshot = snapshot
+
+
+class _LedgerMirror(Collector):
+    """Exposes a LedgerSnapshot as vLLM metrics; counters are the ledger's totals, not deltas."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.snapshot: LedgerSnapshot | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing fixed to describe: metrics appear once a snapshot arrives
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.snapshot
+        if snapshot is None:
+            return
+        names, values = list(self.labels), list(self.labels.values())
+        for name, doc, field in _MIRRORED_GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(values, getattr(snapshot, field))
+            yield gauge
+        for name, doc, field in _MIRRORED_COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, getattr(snapshot, field))
+            yield counter
+
+
+def dead_letters_counter(registry: CollectorRegistry) -> Counter:
+    """Stream entries that did not parse and were moved to the dead-letter stream."""
+    return Counter(
+        "kvledger_dead_letters",
+        "Stream entries rejected and appended to the dead-letter stream.",
+        ("stream",),
+        registry=registry,
+    )
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of `registry`; serve it with CONTENT_TYPE."""
+    return generate_latest(registry)
+
+
+def metrics_handler(
+    registry: CollectorRegistry,
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """An aiohttp handler for GET /metrics: `app.router.add_get("/metrics", metrics_handler(r))`."""
+
+    async def handle_metrics(_: web.Request) -> web.Response:
+        # headers, not content_type=: aiohttp refuses a content type that carries a charset.
+        return web.Response(body=render(registry), headers={"Content-Type": CONTENT_TYPE})
+
+    return handle_metrics
+
+
+def _sample_values(registry: CollectorRegistry, labels: dict[str, str]) -> dict[str, float]:
+    """One pass over the registry: sample name -> value, for samples carrying exactly `labels`."""
+    return {
+        sample.name: sample.value
+        for metric in registry.collect()
+        for sample in metric.samples
+        if sample.labels == labels
+    }
