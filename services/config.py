@@ -7,8 +7,13 @@ the environment, never from flags or files.
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+C = TypeVar("C")
 
 ENV_VARS: dict[str, str] = {
     "KVLEDGER_REDIS_URL": "Redis URL shared by every service (default: a private redis-server)",
@@ -119,13 +124,156 @@ class StreamNames:
         return f"{self.prefix}:outputs:{gateway_id}"
 
 
-@dataclass(slots=True)
+@dataclass
 class CommonConfig:
-    redis_url: str | None = field(default_factory=lambda: env("KVLEDGER_REDIS_URL"))
-    stream_prefix: str = field(default_factory=lambda: env("KVLEDGER_STREAM_PREFIX", "kvl"))
-    log_level: str = field(default_factory=lambda: env("KVLEDGER_LOG_LEVEL", "info"))
-    log_format: str | None = field(default_factory=lambda: env("KVLEDGER_LOG_FORMAT"))
+    redis_url: str | None = field(
+        default=None, metadata={"env": "KVLEDGER_REDIS_URL", "help": "Redis URL", "parse": None}
+    )
+    stream_prefix: str = field(
+        default="kvl", metadata={"env": "KVLEDGER_STREAM_PREFIX", "help": "prefix of every Redis key", "parse": None}
+    )
+    log_level: str = field(
+        default="info", metadata={"env": "KVLEDGER_LOG_LEVEL", "help": "debug, info, warning, error", "parse": None}
+    )
+    log_format: str | None = field(
+        default=None, metadata={"env": "KVLEDGER_LOG_FORMAT", "help": "json or console", "parse": None}
+    )
 
     @property
     def streams(self) -> StreamNames:
         return StreamNames(self.stream_prefix)
+
+
+def _opt(env_name: str | None, default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
+    """A config field that argparse exposes as a flag and the environment can set."""
+    return field(default=default, metadata={"env": env_name, "help": help, "parse": parse})
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else int(text)
+
+
+def _optional_bytes(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else parse_bytes(text)
+
+
+@dataclass
+class EngineShape:
+    """Settings the gateway, ledger and worker must agree on."""
+
+    block_size: int = _opt("KVLEDGER_BLOCK_SIZE", 16, "tokens per KV block", int)
+    max_model_len: int = _opt("KVLEDGER_MAX_MODEL_LEN", 2048, "maximum tokens per request", int)
+
+
+@dataclass
+class LedgerConfig(CommonConfig, EngineShape):
+    group: str = _opt(None, "default", "worker group this ledger schedules")
+    num_workers: int = _opt("KVLEDGER_NUM_WORKERS", 1, "workers to wait for before sizing the pool", int)
+    max_num_seqs: int = _opt("KVLEDGER_MAX_NUM_SEQS", 64, "maximum running requests per step", int)
+    max_num_batched_tokens: int = _opt(
+        "KVLEDGER_MAX_NUM_BATCHED_TOKENS", 2048, "token budget per scheduler step", int
+    )
+    enable_prefix_caching: bool = _opt("KVLEDGER_PREFIX_CACHING", True, "prefix caching on/off", _bool)
+    hash_algo: str = _opt("KVLEDGER_HASH_ALGO", "sha256", "prefix-cache hash algorithm")
+    watermark: float = _opt("KVLEDGER_WATERMARK", 0.0, "share of blocks kept free at admission", float)
+    policy: str = _opt("KVLEDGER_SCHEDULING_POLICY", "fcfs", "fcfs or priority")
+    num_gpu_blocks_override: int | None = _opt(
+        "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE", None, "use this many blocks instead of the workers' report",
+        _optional_int,
+    )
+    metrics_port: int = _opt("KVLEDGER_METRICS_PORT", 9100, "Prometheus /metrics and /health port (0: off)", int)
+    metrics_host: str = _opt(None, "0.0.0.0", "address of the metrics endpoint")
+    step_timeout_s: float = _opt(None, 600.0, "seconds a worker may take for one step before it is dropped", float)
+    worker_ttl_s: float = _opt(None, 6.0, "seconds without a worker heartbeat before it counts as lost", float)
+    snapshot_interval_s: float = _opt(None, 1.0, "seconds between KV-event snapshots", float)
+    events_maxlen: int = _opt(None, 1_000_000, "approximate length kept of the KV-events stream", int)
+
+
+@dataclass
+class WorkerConfig(CommonConfig, EngineShape):
+    group: str = _opt(None, "default", "worker group to join")
+    worker_id: str | None = _opt("KVLEDGER_WORKER_ID", None, "this worker's id (default: host-pid)")
+    model: str = _opt("KVLEDGER_MODEL", "default", "model folder, or 'default' for the tiny Llama")
+    device: str = _opt("KVLEDGER_DEVICE", "auto", "auto, cpu or cuda")
+    dtype: str = _opt("KVLEDGER_DTYPE", "auto", "auto, float32, float16 or bfloat16")
+    seed: int = _opt("KVLEDGER_SEED", 0, "seed of the default model's weights", int)
+    gpu_memory_utilization: float = _opt(
+        "KVLEDGER_GPU_MEMORY_UTILIZATION", 0.92, "share of the GPU this worker may use", float
+    )
+    kv_cache_memory_bytes: int | None = _opt(
+        "KVLEDGER_KV_CACHE_MEMORY_BYTES", None, "fixed KV cache size, e.g. 64MiB (skips profiling)",
+        _optional_bytes,
+    )
+    num_gpu_blocks_override: int | None = _opt(
+        "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE", None, "replace the profiled block count", _optional_int
+    )
+    max_num_batched_tokens: int = _opt(
+        "KVLEDGER_MAX_NUM_BATCHED_TOKENS", 2048, "token budget per step (sizes the profile run)", int
+    )
+    max_num_seqs: int = _opt("KVLEDGER_MAX_NUM_SEQS", 64, "maximum requests per step", int)
+    heartbeat_s: float = _opt(None, 1.0, "seconds between heartbeats", float)
+    ttl_s: float = _opt(None, 6.0, "lifetime of the registration key without a heartbeat", float)
+
+
+@dataclass
+class GatewayConfig(CommonConfig, EngineShape):
+    host: str = _opt("KVLEDGER_HOST", "127.0.0.1", "bind address")
+    port: int = _opt("KVLEDGER_PORT", 8000, "port", int)
+    model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")
+    model_name: str | None = _opt("KVLEDGER_MODEL_NAME", None, "name served on /v1/models")
+    gateway_id: str | None = _opt(None, None, "this gateway's id (default: host-pid)")
+    max_queue: int = _opt("KVLEDGER_MAX_QUEUE", 512, "requests in flight before 429", int)
+    request_timeout_s: float = _opt("KVLEDGER_REQUEST_TIMEOUT", 600.0, "seconds before a request is aborted", float)
+    ledger_wait_s: float = _opt(None, 10.0, "seconds to wait for a live ledger before 503", float)
+    max_body_bytes: int = _opt(None, 4 * 1024 * 1024, "largest request body accepted (413 above)", int)
+    default_max_tokens: int = _opt(None, 16, "max_tokens of a completion that sets none", int)
+
+    @property
+    def api_key(self) -> str | None:
+        # A secret: from the environment only, never a flag or a file.
+        return env("KVLEDGER_API_KEY")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One --flag per field; the default shown is the environment's value, else the built-in."""
+    for f in fields(cls):
+        meta = f.metadata
+        if not meta or meta.get("help") is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        env_name = meta.get("env")
+        help_text = meta["help"] + (f" (env {env_name})" if env_name else "")
+        parser.add_argument(flag, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
+
+
+def from_arguments(cls: type[C], namespace: argparse.Namespace | None = None, **overrides: Any) -> C:
+    """Flags beat the environment, which beats the built-in default; values are parsed once."""
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        raw = getattr(namespace, f.name, None) if namespace is not None else None
+        meta = f.metadata
+        if raw is None and meta and meta.get("env"):
+            raw = env(meta["env"])
+        if raw is None:
+            continue
+        parse = meta.get("parse") if meta else None
+        try:
+            kwargs[f.name] = parse(raw) if parse else (type(f.default)(raw) if f.default is not None else raw)
+        except (TypeError, ValueError) as exc:
+            source = f"--{f.name.replace('_', '-')}" if namespace is not None and getattr(namespace, f.name, None) is not None else meta.get("env")
+            raise ConfigError(f"{source}: {exc}") from None
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+class ConfigError(ValueError):
+    """A setting that does not parse; the message names the flag or variable."""

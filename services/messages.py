@@ -105,8 +105,10 @@ class WorkerHello:
     available_kv_bytes: int
     model_name: str
     max_model_len: int
+    vocab_size: int
     device: str
     started_at: float
+    detail: str = ""  # the memory profile, for the ledger's start-up log
 
 
 @message("result")
@@ -125,6 +127,7 @@ class RequestOutput:
 
     req_id: str
     new_token_ids: list[int]
+    position: int = 0  # index of new_token_ids[0] among the outputs: lets a gateway drop repeats
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_token_id: int | None = None
@@ -132,3 +135,23 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prefix-cache hit at (first) admission, in tokens
     num_preemptions: int = 0
     error: str | None = None
+
+
+@message("ledger_status")
+class LedgerStatus:
+    """The ledger's heartbeat key: who is serving, with what capacity, and its live counters."""
+
+    epoch: str
+    started_at: float
+    updated_at: float
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_gpu_blocks: int
+    capacity_line: str
+    hash_algo: str
+    num_workers: int
+    num_running: int = 0
+    num_waiting: int = 0
+    metrics: dict[str, float] | None = None  # LedgerSnapshot, mirrored by the gateway's /metrics

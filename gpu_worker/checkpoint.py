@@ -1,0 +1,197 @@
+"""Load the model: the seeded tiny default, or a local Hugging Face folder (config + safetensors).
+
+No network, ever: a checkpoint is a folder the user already has. Every refusal names the file,
+tensor or field at fault and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_worker.model import (
+    SUPPORTED_ARCHITECTURES,
+    LlamaForCausalLM,
+    ModelConfig,
+    ModelConfigError,
+    init_random_weights,
+    tiny_config,
+)
+from gpu_worker.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
+from services.config import env
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older transformers saved; we recompute
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder kvledger cannot load; the text says what to fix."""
+
+
+def load_model(
+    model: str | Path = "default",
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+    max_model_len: int | None = None,
+) -> LlamaForCausalLM:
+    """'default' builds the seeded tiny Llama (KVLEDGER_SEED), anything else is a folder."""
+    if str(model) != "default":
+        return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
+    if seed is None:
+        seed = int(env("KVLEDGER_SEED", "0") or 0)
+    cfg = tiny_config(vocab_size=ByteTokenizer().vocab_size)
+    with torch.device(device):
+        net = LlamaForCausalLM(cfg)
+    init_random_weights(net, seed, muted_token_ids=_unprintable_byte_ids())
+    return net.to(resolve_dtype(dtype, cfg.dtype, device)).eval()
+
+
+def model_name(model: str | Path) -> str:
+    return DEFAULT_MODEL_NAME if str(model) == "default" else Path(model).resolve().name
+
+
+def _unprintable_byte_ids() -> list[int]:
+    # The random default model then writes printable ASCII and never stops on EOS by chance.
+    printable = set(range(32, 127)) | {ord("\n")}
+    return [i for i in range(258) if i not in printable]
+
+
+def read_model_config(folder: str | Path, max_model_len: int | None = None) -> ModelConfig:
+    folder = _check_folder(folder)
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a Hugging Face model folder needs config.json")
+    try:
+        hf: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    try:
+        cfg = ModelConfig.from_hf(hf)
+    except ModelConfigError as exc:
+        raise CheckpointError(f"cannot serve {folder}: {exc}") from None
+    except KeyError as exc:
+        raise CheckpointError(f"{path} lacks the field {exc.args[0]!r}") from None
+    window = cfg.sliding_window
+    if window is not None and (max_model_len is None or max_model_len > window):
+        raise CheckpointError(
+            f"{cfg.architecture} at {folder} uses sliding-window attention (window {window} "
+            f"tokens), which kvledger does not implement; attention is exact only while a request "
+            f"fits in the window: set max_model_len <= {window}"
+        )
+    return cfg
+
+
+def load_checkpoint(
+    folder: str | Path,
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device = "cpu",
+    max_model_len: int | None = None,
+) -> LlamaForCausalLM:
+    """The model of a Hugging Face folder, every parameter checked by name and shape."""
+    from safetensors import safe_open
+
+    folder = _check_folder(folder)
+    cfg = read_model_config(folder, max_model_len)
+    files = weight_files(folder)
+    # Meta construction: no random init of weights we are about to overwrite.
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg)
+    net = net.to(resolve_dtype(dtype, cfg.dtype, device)).to_empty(device=device)
+    net.tie_weights()  # to_empty gives each module its own tensor
+    params = dict(net.named_parameters())  # tied lm_head.weight is deduplicated away
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.endswith(_IGNORED_SUFFIXES) or (
+                    cfg.tie_word_embeddings and name == "lm_head.weight"
+                ):
+                    continue
+                param = params.get(name)
+                if param is None:
+                    raise CheckpointError(
+                        f"unexpected tensor {name!r} in {file.name}: it is not a parameter of "
+                        f"{cfg.architecture} with this config.json"
+                    )
+                _copy_checked(param, reader.get_tensor(name), name, file)
+                loaded.add(name)
+    missing = [name for name in params if name not in loaded]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
+        raise CheckpointError(f"{folder} lacks {len(missing)} tensor(s) the model needs: {shown}")
+    return net.eval()
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointError(
+            f"shape mismatch for {name!r} in {file.name}: config.json implies "
+            f"{list(param.shape)}, the checkpoint has {list(tensor.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)  # casts to the requested dtype and moves to the device
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the single file or every shard of the index."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(
+                    f"shard {file.name} named in {index.name} is missing from {folder}"
+                )
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    hint = ""
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        hint = (
+            " (found pickle weights: kvledger loads safetensors only; re-save them with "
+            "save_pretrained(safe_serialization=True))"
+        )
+    raise CheckpointError(
+        f"no weights in {folder}: expected model.safetensors or model.safetensors.index.json{hint}"
+    )
+
+
+def resolve_dtype(
+    requested: str | torch.dtype | None, checkpoint_dtype: str, device: str | torch.device
+) -> torch.dtype:
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested in (None, "auto"):
+        chosen = DTYPES.get(checkpoint_dtype, torch.float32)
+        # CPU float16 matmuls are slow or missing; float32 keeps the checkpoint's values exactly.
+        if torch.device(device).type == "cpu" and chosen == torch.float16:
+            return torch.float32
+        return chosen
+    if requested not in DTYPES:
+        raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[requested]
+
+
+def _check_folder(folder: str | Path) -> Path:
+    path = Path(folder)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"model folder {path} does not exist; kvledger never downloads: give a local "
+            f"Hugging Face folder ({', '.join(SUPPORTED_ARCHITECTURES)}) or 'default'"
+        )
+    return path

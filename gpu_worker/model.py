@@ -1,0 +1,366 @@
+"""A Llama-architecture decoder (Llama, Mistral, Qwen2) with Hugging Face's parameter names.
+
+`forward` runs flattened ragged tokens over the paged KV cache through `kernels`; `dense_logits`
+runs one sequence with plain causal attention and no cache, the ground truth tests compare to.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import paged_attention, reshape_and_cache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache of one layer
+
+
+class ModelConfigError(ValueError):
+    """A config.json this decoder cannot run exactly; the text says which field and why."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None, or {"rope_type": "linear"|"llama3", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 always; Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias only
+    mlp_bias: bool = False
+    dtype: str = "float32"  # the checkpoint's own dtype
+    sliding_window: int | None = None  # an active sliding window (see checkpoint.py), else None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else "<none>"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"architecture {arch!r} is not supported; kvledger runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
+        heads = int(hf["num_attention_heads"])
+        theta, scaling = _rope_from_hf(hf)
+        qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=not qwen2 and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            sliding_window=_active_sliding_window(hf, arch),
+        )
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 folds rope_theta into rope_parameters; 4.x keeps rope_theta + rope_scaling.
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        supported = ", ".join(SUPPORTED_ROPE_TYPES)
+        raise ModelConfigError(f"rope type {rope_type!r} is not supported (supported: {supported})")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelConfigError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    return theta, params
+
+
+def _active_sliding_window(hf: dict[str, Any], arch: str) -> int | None:
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+        return None  # Qwen2 configs carry a window they do not use unless use_sliding_window
+    return int(window)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The paged-attention inputs of one step, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    max_query_len: int
+    max_seq_len: int
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2] in float32, with linear or llama3 scaling."""
+    dim = cfg.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponent)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    return _llama3_inv_freq(inv_freq, scaling, factor, cfg.max_position_embeddings)
+
+
+def _llama3_inv_freq(
+    inv_freq: torch.Tensor, scaling: dict[str, Any], factor: float, max_positions: int
+) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by factor, short ones kept, the band between blended.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling.get("original_max_position_embeddings", max_positions))
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] by position (Hugging Face's half-split layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the input dtype, as transformers does, so that
+        # half-precision checkpoints round the same way.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache | None,
+        meta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if kv_cache is None or meta is None:
+            out = self._dense(q, k, v)
+        else:
+            key_cache, value_cache = kv_cache
+            reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            out = paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                self.scale,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+            )
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads  # query head h reads kv head h // group
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=self.scale,
+        )
+        return out.transpose(0, 1)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache | None,
+        meta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its LM head; `state_dict()` keys are exactly Hugging Face's."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        # Not a buffer: meta-device construction and to_empty() would leave it uninitialised.
+        self._inv_freq = rope_inv_freq(cfg)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config ties them (again after to_empty)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache] | None = None,
+        meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of flattened tokens; paged when kv_caches is given."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope_tables(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, None if kv_caches is None else kv_caches[i], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def dense_logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] of one sequence at positions 0..T-1, plain causal attention."""
+        device = self.lm_head.weight.device
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+        positions = torch.arange(ids.shape[0], device=device)
+        return self.compute_logits(self.forward(ids, positions))
+
+    def _rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+# The default model: small enough for two CPU cores, big enough to attend over real contexts.
+DEFAULT_LOGIT_STD = 4.0  # logits spread of the random LM head: greedy text that is not flat
+
+
+def tiny_config(vocab_size: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=8192,
+    )
+
+
+@torch.no_grad()
+def init_random_weights(
+    model: LlamaForCausalLM, seed: int, muted_token_ids: list[int] | tuple[int, ...] = ()
+) -> None:
+    """Seeded weights that keep activations near unit scale through every layer.
+
+    Rows of `muted_token_ids` in the LM head are zeroed: their logit stays 0 while the others
+    spread with DEFAULT_LOGIT_STD, so greedy decoding never picks them (the default model uses
+    this to emit printable text and not to stop on EOS by chance).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            values = torch.ones(param.shape)
+        elif name.endswith(".bias"):
+            values = torch.zeros(param.shape)
+        elif name == "model.embed_tokens.weight":
+            values = torch.randn(param.shape, generator=gen)
+        elif name == "lm_head.weight":
+            values = torch.randn(param.shape, generator=gen) * (DEFAULT_LOGIT_STD / hidden**0.5)
+        else:  # a Linear weight [out, in]: unit-variance outputs for unit-variance inputs
+            values = torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5
+        param.copy_(values)
+    if muted_token_ids and not model.config.tie_word_embeddings:
+        model.lm_head.weight[list(muted_token_ids)] = 0.0

@@ -1,0 +1,314 @@
+"""The step runner: per-request state, the paged KV cache tensors, and `execute(step)`.
+
+The ledger decides every block; the runner only turns a `StepMessage` into one forward pass
+(slot mapping, block tables, seq_lens) and samples where a request's chunk reaches its end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gpu_worker.checkpoint import load_model, model_name
+from gpu_worker.model import AttentionMetadata, KVCache, LlamaForCausalLM
+from gpu_worker.profile import (
+    MemoryProfile,
+    ProfileSettings,
+    check_cuda_free_memory,
+    cuda_snapshot,
+    profile_memory,
+)
+from gpu_worker.sampler import SampleRequest, position_seed, sample
+from services.messages import CachedRequestData, NewRequestData, SamplingParams, StepMessage
+
+
+class StepError(ValueError):
+    """A step the runner refuses before touching any state or tensor; names request and problem."""
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    model: str = "default"  # a Hugging Face folder, or "default" for the seeded tiny Llama
+    dtype: str = "auto"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    max_model_len: int = 2048
+    seed: int | None = None  # default model's weights (None: KVLEDGER_SEED) and unseeded sampling
+    profile: ProfileSettings = field(default_factory=ProfileSettings)
+
+
+@dataclass(slots=True)
+class RequestState:
+    token_ids: list[int]  # prompt plus the outputs the ledger has sent back
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None  # seeded random sampling only
+
+
+@dataclass(slots=True)
+class StepOutput:
+    sampled: dict[str, int]  # req_id -> token, for requests whose chunk reached their end
+    logits: torch.Tensor | None  # [len(sampled), vocab] in sampled's order, before sampling
+    num_tokens: int  # tokens the forward pass computed (prefix-cache hits excluded)
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One scheduled request of a step, validated, before its state changes are applied."""
+
+    req_id: str
+    state: RequestState
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    start: int  # num_computed_tokens: first position computed this step
+    num_tokens: int
+
+
+class ModelRunner:
+    """The model, its paged KV cache, and what the worker knows of each running request."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        *,
+        seed: int = 0,
+        name: str = "",
+        profile: MemoryProfile | None = None,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.name = name
+        self.profile = profile
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.config.num_hidden_layers)
+        ]
+        self.requests: dict[str, RequestState] = {}
+        self.epoch: str | None = None
+        self._generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
+
+    @classmethod
+    def create(cls, cfg: RunnerConfig) -> ModelRunner:
+        """Load the model, profile memory, and allocate the KV cache the profile allows."""
+        device = torch.device(
+            cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        )
+        start = None
+        if device.type == "cuda" and cfg.profile.kv_cache_memory_bytes is None:
+            start = cuda_snapshot(device)
+            check_cuda_free_memory(start, cfg.profile.gpu_memory_utilization)
+        model = load_model(
+            cfg.model,
+            dtype=cfg.dtype,
+            device=device,
+            seed=cfg.seed,
+            max_model_len=cfg.max_model_len,
+        )
+        settings = dataclasses.replace(cfg.profile, block_size=cfg.block_size)
+        profile = profile_memory(model, settings, start)
+        return cls(
+            model,
+            profile.num_gpu_blocks,
+            cfg.block_size,
+            seed=cfg.seed or 0,
+            name=model_name(cfg.model),
+            profile=profile,
+        )
+
+    def reset(self) -> None:
+        self.requests.clear()
+
+    def execute(self, step: StepMessage) -> dict[str, int]:
+        """Run one scheduler step; returns req_id -> sampled token for requests that sample."""
+        return self.run_step(step).sampled
+
+    @torch.inference_mode()
+    def run_step(self, step: StepMessage) -> StepOutput:
+        """execute(), also returning the logits the tokens were sampled from.
+
+        Token ranges of one scheduled request (p = position, bs = block_size):
+
+            | in the cache        | computed this step   | known, computed later |
+            0         num_computed_tokens      +num_scheduled_tokens        len(token_ids)
+
+        The step's K/V go to slot block_ids[p // bs] * bs + p % bs; attention reads positions
+        0..p from the cache; the request samples only if its chunk ends at len(token_ids).
+        """
+        if step.epoch != self.epoch:
+            self.reset()  # a new ledger: none of our requests or block ids mean anything now
+            self.epoch = step.epoch
+        if step.block_size != self.block_size:
+            raise StepError(f"step block_size {step.block_size} != the cache's {self.block_size}")
+        for req_id in (*step.finished_req_ids, *step.preempted_req_ids):
+            self.requests.pop(req_id, None)
+        chunks = self._plan(step)
+        for c in chunks:  # validated: apply the step's changes to the request states
+            c.state.token_ids.extend(c.new_token_ids)
+            c.state.block_ids.extend(c.new_block_ids)
+            self.requests[c.req_id] = c.state
+        running = [c for c in chunks if c.num_tokens > 0]
+        return self._run(running) if running else StepOutput({}, None, 0)
+
+    def _plan(self, step: StepMessage) -> list[_Chunk]:
+        """Check the whole step against the cache and the model; change nothing.
+
+        Returns one chunk per request the step mentions; those not scheduled have 0 tokens.
+        """
+        news = {r.req_id: r for r in step.new_reqs}
+        cached = {r.req_id: r for r in step.cached_reqs}
+        scheduled = step.num_scheduled_tokens
+        chunks = []
+        for req_id in dict.fromkeys([*news, *cached, *scheduled]):
+            num_tokens = scheduled.get(req_id, 0)
+            if req_id in news:
+                chunk = self._new_chunk(news[req_id], num_tokens)
+            elif req_id in self.requests:
+                chunk = self._cached_chunk(req_id, cached.get(req_id), num_tokens)
+            elif req_id in cached:
+                raise StepError(
+                    f"request {req_id}: sent as cached but this worker holds no state for it "
+                    "(a request it has not seen must come in new_reqs, with all tokens and blocks)"
+                )
+            else:
+                raise StepError(f"request {req_id}: scheduled but unknown to this worker")
+            if req_id in scheduled and num_tokens < 1:
+                raise StepError(f"request {req_id}: scheduled with {num_tokens} tokens")
+            self._check_chunk(chunk)
+            chunks.append(chunk)
+        return chunks
+
+    def _new_chunk(self, req: NewRequestData, num_tokens: int) -> _Chunk:
+        generator = None
+        if req.sampling.seed is not None and req.sampling.temperature > 0:
+            generator = torch.Generator(self.device)
+        state = RequestState(
+            [], req.num_prompt_tokens, [], req.num_computed_tokens, req.sampling, generator
+        )
+        return _Chunk(
+            req.req_id,
+            state,
+            list(req.token_ids),
+            list(req.block_ids),
+            req.num_computed_tokens,
+            num_tokens,
+        )
+
+    def _cached_chunk(self, req_id: str, req: CachedRequestData | None, num_tokens: int) -> _Chunk:
+        state = self.requests[req_id]
+        if req is None:  # scheduled without news: it continues where our own count says
+            return _Chunk(req_id, state, [], [], state.num_computed_tokens, num_tokens)
+        return _Chunk(
+            req_id,
+            state,
+            list(req.new_token_ids),
+            list(req.new_block_ids),
+            req.num_computed_tokens,
+            num_tokens,
+        )
+
+    def _check_chunk(self, c: _Chunk) -> None:
+        num_known = len(c.state.token_ids) + len(c.new_token_ids)
+        end = c.start + c.num_tokens
+        if c.start < 0 or end > num_known:
+            raise StepError(
+                f"request {c.req_id}: cannot compute tokens {c.start}..{end - 1}: it has "
+                f"{num_known} known tokens"
+            )
+        bad = _first_outside(c.new_token_ids, self.config.vocab_size)
+        if bad is not None:
+            raise StepError(
+                f"request {c.req_id}: token id {bad} is outside the vocabulary "
+                f"0..{self.config.vocab_size - 1}"
+            )
+        bad = _first_outside(c.new_block_ids, self.num_blocks)
+        if bad is not None:
+            raise StepError(
+                f"request {c.req_id}: block id {bad} is outside the cache 0..{self.num_blocks - 1}"
+            )
+        num_blocks = len(c.state.block_ids) + len(c.new_block_ids)
+        if num_blocks * self.block_size < end:
+            raise StepError(
+                f"request {c.req_id}: block table of {num_blocks} blocks holds "
+                f"{num_blocks * self.block_size} tokens, the step writes position {end - 1}"
+            )
+
+    def _run(self, chunks: list[_Chunk]) -> StepOutput:
+        input_ids, positions, meta = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        for c in chunks:
+            c.state.num_computed_tokens = c.start + c.num_tokens
+        # Only a chunk that reaches the end of its known tokens samples; a prefill chunk that
+        # stops short has no next token to predict yet.
+        rows = [i for i, c in enumerate(chunks) if c.start + c.num_tokens == len(c.state.token_ids)]
+        if not rows:
+            return StepOutput({}, None, len(input_ids))
+        last = meta.query_start_loc[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last[rows]])
+        sampling = [chunks[i] for i in rows]
+        tokens = sample(logits, [self._sample_request(c.state) for c in sampling], self._generator)
+        sampled = {c.req_id: t for c, t in zip(sampling, tokens, strict=True)}
+        return StepOutput(sampled, logits, len(input_ids))
+
+    def _prepare(
+        self, chunks: list[_Chunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flattened input ids and positions, and the attention metadata of the chunks."""
+        bs = self.block_size
+        ids, pos, slots, lens = [], [], [], []
+        max_blocks = max(-(-(c.start + c.num_tokens) // bs) for c in chunks)
+        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            end = c.start + c.num_tokens
+            table = np.asarray(c.state.block_ids[: -(-end // bs)], dtype=np.int64)
+            tables[i, : len(table)] = table
+            p = np.arange(c.start, end, dtype=np.int64)
+            ids.append(np.asarray(c.state.token_ids[c.start : end], dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            lens.append(end)
+        query_lens = [c.num_tokens for c in chunks]
+        qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
+        qsl[1:] = np.cumsum(query_lens)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(lens),
+        )
+        input_ids = torch.from_numpy(np.concatenate(ids)).to(dev)
+        return input_ids, torch.from_numpy(np.concatenate(pos)).to(dev), meta
+
+    def _sample_request(self, state: RequestState) -> SampleRequest:
+        params = state.sampling
+        if state.generator is not None and params.seed is not None:
+            # Index-keyed reseeding: the same draw after a preemption (see position_seed).
+            state.generator.manual_seed(position_seed(params.seed, len(state.token_ids)))
+        banned: list[int] = []
+        if len(state.token_ids) - state.num_prompt_tokens < params.min_tokens:
+            stops = (params.eos_token_id, *(params.stop_token_ids or ()))
+            banned = [t for t in stops if t is not None and 0 <= t < self.config.vocab_size]
+        return SampleRequest(params, state.generator, banned)
+
+
+def _first_outside(ids: list[int], limit: int) -> int | None:
+    """The first id not in 0..limit-1 (one min/max pass in the common case that all are)."""
+    if not ids or (min(ids) >= 0 and max(ids) < limit):
+        return None
+    return next(i for i in ids if not 0 <= i < limit)

@@ -1,0 +1,40 @@
+"""Worker registration and liveness through expiring keys.
+
+A worker keeps `{prefix}:workers:{group}:{worker_id}` set to its WorkerHello with a short TTL and
+refreshes it as a heartbeat; the key vanishing means the worker is gone. A restarted worker
+writes a new `started_at`, so the ledger tells a restart from a heartbeat.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from services import wire
+from services.messages import WorkerHello
+
+
+def worker_key(prefix: str, group: str, worker_id: str) -> str:
+    return f"{prefix}:workers:{group}:{worker_id}"
+
+
+async def register(r: aioredis.Redis, prefix: str, hello: WorkerHello, ttl_s: float) -> None:
+    await r.set(worker_key(prefix, hello.group, hello.worker_id), wire.encode(hello), px=int(ttl_s * 1000))
+
+
+async def unregister(r: aioredis.Redis, prefix: str, hello: WorkerHello) -> None:
+    await r.delete(worker_key(prefix, hello.group, hello.worker_id))
+
+
+async def live_workers(r: aioredis.Redis, prefix: str, group: str) -> dict[str, WorkerHello]:
+    """Every worker of the group whose heartbeat key is alive (malformed keys are skipped)."""
+    workers: dict[str, WorkerHello] = {}
+    async for key in r.scan_iter(match=worker_key(prefix, group, "*"), count=100):
+        data = await r.get(key)
+        if data is None:
+            continue
+        try:
+            hello = wire.decode(data, WorkerHello)
+        except wire.WireError:
+            continue
+        workers[hello.worker_id] = hello
+    return workers

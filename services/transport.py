@@ -1,0 +1,144 @@
+"""Redis Streams transport: connecting, appending, consumer groups, acks and dead letters.
+
+Conventions: a message is one stream entry with a single field `m` holding the wire bytes
+(`services.wire`); KV events use field `batch`. Readers ack an entry only after its work is
+done. An entry that does not parse is copied to the dead-letter stream (with the error and the
+source stream) and acked, so one bad producer cannot wedge a service.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from services import wire
+
+log = logging.getLogger(__name__)
+
+FIELD = b"m"
+
+
+def connect(url: str, **kwargs: Any) -> aioredis.Redis:
+    # redis-py 8 defaults socket_timeout to 5 s, which would cut every XREAD BLOCK longer than
+    # that; blocking reads carry their own timeout, so the socket gets none.
+    kwargs.setdefault("socket_timeout", None)
+    kwargs.setdefault("socket_connect_timeout", 5)
+    kwargs.setdefault("health_check_interval", 30)
+    return aioredis.from_url(url, decode_responses=False, **kwargs)
+
+
+async def append(r: aioredis.Redis, stream: str, msg: Any, maxlen: int | None = 100_000) -> bytes:
+    """XADD one wire message; approximate MAXLEN trimming keeps the stream bounded cheaply."""
+    return await r.xadd(stream, {FIELD: wire.encode(msg)}, maxlen=maxlen, approximate=True)
+
+
+@dataclass(slots=True)
+class Entry:
+    stream: str
+    entry_id: bytes
+    fields: dict[bytes, bytes]
+
+
+async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: str) -> None:
+    fields: dict[bytes | str, Any] = {
+        b"source_stream": entry.stream.encode(),
+        b"source_id": entry.entry_id,
+        b"error": error.encode(),
+    }
+    for key, value in entry.fields.items():
+        fields[b"orig:" + key] = value
+    await r.xadd(dead_stream, fields, maxlen=10_000, approximate=True)
+    log.warning("dead_letter stream=%s id=%s error=%s", entry.stream, entry.entry_id.decode(), error)
+
+
+def decode_entry(entry: Entry, expect: type | None = None) -> Any:
+    data = entry.fields.get(FIELD)
+    if data is None:
+        raise wire.WireError(f"field '{FIELD.decode()}': missing from the stream entry")
+    return wire.decode(data, expect)
+
+
+class GroupReader:
+    """One consumer in a consumer group on one or more streams.
+
+    On start it first re-reads this consumer's own pending entries (delivered before a crash but
+    never acked), then new ones. `claim_stale` takes over entries a dead consumer left pending.
+    """
+
+    def __init__(self, r: aioredis.Redis, streams: Sequence[str], group: str, consumer: str) -> None:
+        self.r = r
+        self.streams = list(streams)
+        self.group = group
+        self.consumer = consumer
+        self._pending_done: set[str] = set()
+
+    async def ensure_groups(self, start_id: str = "0") -> None:
+        for stream in self.streams:
+            try:
+                await self.r.xgroup_create(stream, self.group, id=start_id, mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def read(self, count: int = 128, block_ms: int | None = 1000) -> list[Entry]:
+        pending = [s for s in self.streams if s not in self._pending_done]
+        if pending:
+            entries = await self._read({s: "0" for s in pending}, count, None)
+            for stream in pending:
+                if not any(e.stream == stream for e in entries):
+                    self._pending_done.add(stream)
+            if entries:
+                return entries
+        return await self._read({s: ">" for s in self.streams}, count, block_ms)
+
+    async def _read(self, ids: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
+        reply = await self.r.xreadgroup(self.group, self.consumer, ids, count=count, block=block_ms)
+        entries = []
+        for stream, items in _normalize(reply):
+            for entry_id, fields in items:
+                if fields is None:  # pending entry trimmed away meanwhile: nothing to redo
+                    await self.r.xack(stream, self.group, entry_id)
+                    continue
+                entries.append(Entry(stream, entry_id, fields))
+        return entries
+
+    async def ack(self, entries: Sequence[Entry]) -> None:
+        by_stream: dict[str, list[bytes]] = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry.entry_id)
+        for stream, ids in by_stream.items():
+            await self.r.xack(stream, self.group, *ids)
+
+    async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
+        """XAUTOCLAIM entries idle for `min_idle_ms` in other consumers' pending lists."""
+        claimed: list[Entry] = []
+        for stream in self.streams:
+            reply = await self.r.xautoclaim(stream, self.group, self.consumer, min_idle_ms, "0-0", count=count)
+            for entry_id, fields in reply[1]:
+                if fields:
+                    claimed.append(Entry(stream, entry_id, fields))
+        return claimed
+
+
+def _normalize(reply: Any) -> list[tuple[str, list]]:
+    # redis-py answers XREAD(GROUP) as a list of [stream, entries] under RESP2, a dict under RESP3.
+    if not reply:
+        return []
+    items = reply.items() if isinstance(reply, dict) else reply
+    return [(s.decode() if isinstance(s, bytes) else s, entries) for s, entries in items]
+
+
+async def read_from(
+    r: aioredis.Redis, stream: str, last_id: bytes | str, count: int = 256, block_ms: int | None = 1000
+) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """Plain XREAD (no group) after `last_id`: for readers that keep their own position."""
+    reply = await r.xread({stream: last_id}, count=count, block=block_ms)
+    out = []
+    for _, items in _normalize(reply):
+        out.extend(items)
+    return out
