@@ -67,6 +67,17 @@ class KVCacheShape:
         return cdiv(num_tokens, self.block_size) * self.bytes_per_block
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCost:
+    """What the ledger knows of a worker's cache: the bytes one block costs, not the model."""
+
+    bytes_per_block: int
+    block_size: int = 16
+
+    def bytes_for_tokens(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size) * self.bytes_per_block
+
+
 def format_gib(num_bytes: int) -> str:
     return f"{round(num_bytes / GiB, 2)}"
 
@@ -112,7 +123,9 @@ def capacity_line(num_blocks: int, block_size: int, max_model_len: int, device: 
     )
 
 
-def estimate_max_model_len(available_bytes: int, shape: KVCacheShape, max_model_len: int) -> int:
+def estimate_max_model_len(
+    available_bytes: int, shape: KVCacheShape | BlockCost, max_model_len: int
+) -> int:
     """The longest request the budget can hold, by binary search as vLLM does (0 if none)."""
     if shape.bytes_for_tokens(1) > available_bytes:
         return 0
@@ -157,6 +170,8 @@ def check_enough_kv_cache_memory(
         )
 
 
-def check_enough_blocks(num_blocks: int, shape: KVCacheShape, max_model_len: int) -> None:
+def check_enough_blocks(
+    num_blocks: int, shape: KVCacheShape | BlockCost, max_model_len: int
+) -> None:
     """The same refusal for a pool whose block count is already decided (override, worker report)."""
     check_enough_kv_cache_memory(num_blocks * shape.bytes_per_block, shape, max_model_len)

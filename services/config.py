@@ -130,13 +130,24 @@ class CommonConfig:
         default=None, metadata={"env": "KVLEDGER_REDIS_URL", "help": "Redis URL", "parse": None}
     )
     stream_prefix: str = field(
-        default="kvl", metadata={"env": "KVLEDGER_STREAM_PREFIX", "help": "prefix of every Redis key", "parse": None}
+        default="kvl",
+        metadata={
+            "env": "KVLEDGER_STREAM_PREFIX",
+            "help": "prefix of every Redis key",
+            "parse": None,
+        },
     )
     log_level: str = field(
-        default="info", metadata={"env": "KVLEDGER_LOG_LEVEL", "help": "debug, info, warning, error", "parse": None}
+        default="info",
+        metadata={
+            "env": "KVLEDGER_LOG_LEVEL",
+            "help": "debug, info, warning, error",
+            "parse": None,
+        },
     )
     log_format: str | None = field(
-        default=None, metadata={"env": "KVLEDGER_LOG_FORMAT", "help": "json or console", "parse": None}
+        default=None,
+        metadata={"env": "KVLEDGER_LOG_FORMAT", "help": "json or console", "parse": None},
     )
 
     @property
@@ -144,7 +155,9 @@ class CommonConfig:
         return StreamNames(self.stream_prefix)
 
 
-def _opt(env_name: str | None, default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
+def _opt(
+    env_name: str | None, default: Any, help: str, parse: Callable[[str], Any] | None = None
+) -> Any:
     """A config field that argparse exposes as a flag and the environment can set."""
     return field(default=default, metadata={"env": env_name, "help": help, "parse": parse})
 
@@ -177,25 +190,41 @@ class EngineShape:
 @dataclass
 class LedgerConfig(CommonConfig, EngineShape):
     group: str = _opt(None, "default", "worker group this ledger schedules")
-    num_workers: int = _opt("KVLEDGER_NUM_WORKERS", 1, "workers to wait for before sizing the pool", int)
+    num_workers: int = _opt(
+        "KVLEDGER_NUM_WORKERS", 1, "workers to wait for before sizing the pool", int
+    )
     max_num_seqs: int = _opt("KVLEDGER_MAX_NUM_SEQS", 64, "maximum running requests per step", int)
     max_num_batched_tokens: int = _opt(
         "KVLEDGER_MAX_NUM_BATCHED_TOKENS", 2048, "token budget per scheduler step", int
     )
-    enable_prefix_caching: bool = _opt("KVLEDGER_PREFIX_CACHING", True, "prefix caching on/off", _bool)
+    enable_prefix_caching: bool = _opt(
+        "KVLEDGER_PREFIX_CACHING", True, "prefix caching on/off", _bool
+    )
     hash_algo: str = _opt("KVLEDGER_HASH_ALGO", "sha256", "prefix-cache hash algorithm")
-    watermark: float = _opt("KVLEDGER_WATERMARK", 0.0, "share of blocks kept free at admission", float)
+    watermark: float = _opt(
+        "KVLEDGER_WATERMARK", 0.0, "share of blocks kept free at admission", float
+    )
     policy: str = _opt("KVLEDGER_SCHEDULING_POLICY", "fcfs", "fcfs or priority")
     num_gpu_blocks_override: int | None = _opt(
-        "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE", None, "use this many blocks instead of the workers' report",
+        "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE",
+        None,
+        "use this many blocks instead of the workers' report",
         _optional_int,
     )
-    metrics_port: int = _opt("KVLEDGER_METRICS_PORT", 9100, "Prometheus /metrics and /health port (0: off)", int)
+    metrics_port: int = _opt(
+        "KVLEDGER_METRICS_PORT", 9100, "Prometheus /metrics and /health port (0: off)", int
+    )
     metrics_host: str = _opt(None, "0.0.0.0", "address of the metrics endpoint")
-    step_timeout_s: float = _opt(None, 600.0, "seconds a worker may take for one step before it is dropped", float)
-    worker_ttl_s: float = _opt(None, 6.0, "seconds without a worker heartbeat before it counts as lost", float)
+    step_timeout_s: float = _opt(
+        None, 600.0, "seconds a worker may take for one step before it is dropped", float
+    )
+    worker_ttl_s: float = _opt(
+        None, 6.0, "seconds without a worker heartbeat before it counts as lost", float
+    )
     snapshot_interval_s: float = _opt(None, 1.0, "seconds between KV-event snapshots", float)
-    events_maxlen: int = _opt(None, 1_000_000, "approximate length kept of the KV-events stream", int)
+    events_maxlen: int = _opt(
+        None, 1_000_000, "approximate length kept of the KV-events stream", int
+    )
 
 
 @dataclass
@@ -210,14 +239,19 @@ class WorkerConfig(CommonConfig, EngineShape):
         "KVLEDGER_GPU_MEMORY_UTILIZATION", 0.92, "share of the GPU this worker may use", float
     )
     kv_cache_memory_bytes: int | None = _opt(
-        "KVLEDGER_KV_CACHE_MEMORY_BYTES", None, "fixed KV cache size, e.g. 64MiB (skips profiling)",
+        "KVLEDGER_KV_CACHE_MEMORY_BYTES",
+        None,
+        "fixed KV cache size, e.g. 64MiB (skips profiling)",
         _optional_bytes,
     )
     num_gpu_blocks_override: int | None = _opt(
         "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE", None, "replace the profiled block count", _optional_int
     )
     max_num_batched_tokens: int = _opt(
-        "KVLEDGER_MAX_NUM_BATCHED_TOKENS", 2048, "token budget per step (sizes the profile run)", int
+        "KVLEDGER_MAX_NUM_BATCHED_TOKENS",
+        2048,
+        "token budget per step (sizes the profile run)",
+        int,
     )
     max_num_seqs: int = _opt("KVLEDGER_MAX_NUM_SEQS", 64, "maximum requests per step", int)
     heartbeat_s: float = _opt(None, 1.0, "seconds between heartbeats", float)
@@ -232,9 +266,13 @@ class GatewayConfig(CommonConfig, EngineShape):
     model_name: str | None = _opt("KVLEDGER_MODEL_NAME", None, "name served on /v1/models")
     gateway_id: str | None = _opt(None, None, "this gateway's id (default: host-pid)")
     max_queue: int = _opt("KVLEDGER_MAX_QUEUE", 512, "requests in flight before 429", int)
-    request_timeout_s: float = _opt("KVLEDGER_REQUEST_TIMEOUT", 600.0, "seconds before a request is aborted", float)
+    request_timeout_s: float = _opt(
+        "KVLEDGER_REQUEST_TIMEOUT", 600.0, "seconds before a request is aborted", float
+    )
     ledger_wait_s: float = _opt(None, 10.0, "seconds to wait for a live ledger before 503", float)
-    max_body_bytes: int = _opt(None, 4 * 1024 * 1024, "largest request body accepted (413 above)", int)
+    max_body_bytes: int = _opt(
+        None, 4 * 1024 * 1024, "largest request body accepted (413 above)", int
+    )
     default_max_tokens: int = _opt(None, 16, "max_tokens of a completion that sets none", int)
 
     @property
@@ -255,7 +293,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         parser.add_argument(flag, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
 
 
-def from_arguments(cls: type[C], namespace: argparse.Namespace | None = None, **overrides: Any) -> C:
+def from_arguments(
+    cls: type[C], namespace: argparse.Namespace | None = None, **overrides: Any
+) -> C:
     """Flags beat the environment, which beats the built-in default; values are parsed once."""
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
@@ -267,9 +307,15 @@ def from_arguments(cls: type[C], namespace: argparse.Namespace | None = None, **
             continue
         parse = meta.get("parse") if meta else None
         try:
-            kwargs[f.name] = parse(raw) if parse else (type(f.default)(raw) if f.default is not None else raw)
+            kwargs[f.name] = (
+                parse(raw) if parse else (type(f.default)(raw) if f.default is not None else raw)
+            )
         except (TypeError, ValueError) as exc:
-            source = f"--{f.name.replace('_', '-')}" if namespace is not None and getattr(namespace, f.name, None) is not None else meta.get("env")
+            source = (
+                f"--{f.name.replace('_', '-')}"
+                if namespace is not None and getattr(namespace, f.name, None) is not None
+                else meta.get("env")
+            )
             raise ConfigError(f"{source}: {exc}") from None
     kwargs.update(overrides)
     return cls(**kwargs)

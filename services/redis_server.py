@@ -59,21 +59,39 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         self._dir = tempfile.TemporaryDirectory(prefix="kvledger-redis-")
         args = [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", self._dir.name, "--protected-mode", "yes",
-            "--loglevel", "warning",
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._dir.name,
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                err = (
+                    self.process.stderr.read().decode(errors="replace")
+                    if self.process.stderr
+                    else ""
+                )
                 raise RedisServerError(f"redis-server exited at start-up: {err.strip()}")
             if _ping(self.port):
                 return self
             time.sleep(0.02)
         self.stop()
-        raise RedisServerError(f"redis-server did not answer on port {self.port} within {timeout:.0f}s")
+        raise RedisServerError(
+            f"redis-server did not answer on port {self.port} within {timeout:.0f}s"
+        )
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -18,7 +18,9 @@ def worker_key(prefix: str, group: str, worker_id: str) -> str:
 
 
 async def register(r: aioredis.Redis, prefix: str, hello: WorkerHello, ttl_s: float) -> None:
-    await r.set(worker_key(prefix, hello.group, hello.worker_id), wire.encode(hello), px=int(ttl_s * 1000))
+    await r.set(
+        worker_key(prefix, hello.group, hello.worker_id), wire.encode(hello), px=int(ttl_s * 1000)
+    )
 
 
 async def unregister(r: aioredis.Redis, prefix: str, hello: WorkerHello) -> None:

@@ -53,7 +53,9 @@ async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: 
     for key, value in entry.fields.items():
         fields[b"orig:" + key] = value
     await r.xadd(dead_stream, fields, maxlen=10_000, approximate=True)
-    log.warning("dead_letter stream=%s id=%s error=%s", entry.stream, entry.entry_id.decode(), error)
+    log.warning(
+        "dead_letter stream=%s id=%s error=%s", entry.stream, entry.entry_id.decode(), error
+    )
 
 
 def decode_entry(entry: Entry, expect: type | None = None) -> Any:
@@ -70,7 +72,9 @@ class GroupReader:
     never acked), then new ones. `claim_stale` takes over entries a dead consumer left pending.
     """
 
-    def __init__(self, r: aioredis.Redis, streams: Sequence[str], group: str, consumer: str) -> None:
+    def __init__(
+        self, r: aioredis.Redis, streams: Sequence[str], group: str, consumer: str
+    ) -> None:
         self.r = r
         self.streams = list(streams)
         self.group = group
@@ -118,7 +122,9 @@ class GroupReader:
         """XAUTOCLAIM entries idle for `min_idle_ms` in other consumers' pending lists."""
         claimed: list[Entry] = []
         for stream in self.streams:
-            reply = await self.r.xautoclaim(stream, self.group, self.consumer, min_idle_ms, "0-0", count=count)
+            reply = await self.r.xautoclaim(
+                stream, self.group, self.consumer, min_idle_ms, "0-0", count=count
+            )
             for entry_id, fields in reply[1]:
                 if fields:
                     claimed.append(Entry(stream, entry_id, fields))
@@ -134,7 +140,11 @@ def _normalize(reply: Any) -> list[tuple[str, list]]:
 
 
 async def read_from(
-    r: aioredis.Redis, stream: str, last_id: bytes | str, count: int = 256, block_ms: int | None = 1000
+    r: aioredis.Redis,
+    stream: str,
+    last_id: bytes | str,
+    count: int = 256,
+    block_ms: int | None = 1000,
 ) -> list[tuple[bytes, dict[bytes, bytes]]]:
     """Plain XREAD (no group) after `last_id`: for readers that keep their own position."""
     reply = await r.xread({stream: last_id}, count=count, block=block_ms)

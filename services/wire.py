@@ -51,7 +51,7 @@ def decode(data: bytes, expect: type[T] | None = None) -> T:
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise WireError(f"not msgpack: {exc}") from None
+        raise WireError(f"not msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(body, dict):
         raise WireError(f"expected a msgpack map, got {type(body).__name__}")
     version = body.pop("v", None)

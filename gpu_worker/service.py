@@ -1,0 +1,190 @@
+"""The worker service: registers its capacity, then executes every step the ledger appends.
+
+The model runs in a thread so that the heartbeat keeps beating during a long step; the ledger
+takes a vanished heartbeat (or a new `started_at`) as a lost worker and recomputes its requests.
+Each worker reads the group's step stream through a consumer group of its own (fan-out), made
+afresh at start-up: a restarted worker must not replay steps that refer to state it lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+
+import redis.asyncio as aioredis
+import torch
+from opentelemetry.trace import SpanKind
+
+from gpu_worker.runner import ModelRunner, StepError
+from observability import Attr, SpanName, get_logger, links_from_traceparents
+from services import registry, transport
+from services.config import WorkerConfig
+from services.messages import StepMessage, StepResult, WorkerHello, WorkerShutdown
+from services.wire import WireError
+
+log = get_logger("kvledger.worker")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerService:
+    def __init__(
+        self, config: WorkerConfig, r: aioredis.Redis, runner: ModelRunner, tracer=None
+    ) -> None:
+        self.cfg = config
+        self.r = r
+        self.runner = runner
+        self.tracer = tracer
+        self.worker_id = config.worker_id or default_worker_id()
+        self.steps_stream = config.streams.steps(config.group)
+        self.reader = transport.GroupReader(
+            r, [self.steps_stream], f"worker:{self.worker_id}", self.worker_id
+        )
+        profile = runner.profile
+        # Exactly what the allocated cache tensors cost per block, K and V over every layer.
+        bytes_per_block = sum(k[0].nbytes + v[0].nbytes for k, v in runner.kv_caches)
+        self.hello = WorkerHello(
+            worker_id=self.worker_id,
+            group=config.group,
+            num_gpu_blocks=runner.num_blocks,
+            block_size=runner.block_size,
+            bytes_per_block=bytes_per_block,
+            available_kv_bytes=profile.available_kv_bytes
+            if profile
+            else bytes_per_block * runner.num_blocks,
+            model_name=runner.name,
+            max_model_len=config.max_model_len,
+            vocab_size=runner.config.vocab_size,
+            device=str(runner.device),
+            started_at=time.time(),
+            detail=profile.describe() if profile else "",
+        )
+        self.steps_done = 0
+
+    async def run(self) -> None:
+        with contextlib.suppress(aioredis.ResponseError):
+            await self.r.xgroup_destroy(self.steps_stream, self.reader.group)
+        await self.reader.ensure_groups("$")
+        await registry.register(self.r, self.cfg.stream_prefix, self.hello, self.cfg.ttl_s)
+        log.info(
+            "worker_registered",
+            worker_id=self.worker_id,
+            num_gpu_blocks=self.hello.num_gpu_blocks,
+            device=self.hello.device,
+            model=self.hello.model_name,
+            profile=self.hello.detail,
+        )
+        heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        try:
+            await self._loop()
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            with contextlib.suppress(aioredis.RedisError):
+                await registry.unregister(self.r, self.cfg.stream_prefix, self.hello)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await registry.register(self.r, self.cfg.stream_prefix, self.hello, self.cfg.ttl_s)
+            except aioredis.RedisError as exc:
+                log.warning("heartbeat_failed", error=str(exc))
+            await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def _loop(self) -> None:
+        while True:
+            entries = await self.reader.read(count=1, block_ms=1000)
+            for entry in entries:
+                try:
+                    msg = transport.decode_entry(entry)
+                except WireError as exc:
+                    await transport.dead_letter(
+                        self.r, self.cfg.streams.dead_letters, entry, str(exc)
+                    )
+                    await self.reader.ack([entry])
+                    continue
+                if isinstance(msg, WorkerShutdown):
+                    log.info("worker_shutdown", reason=msg.reason)
+                    await self.reader.ack([entry])
+                    return
+                if not isinstance(msg, StepMessage):
+                    await transport.dead_letter(
+                        self.r,
+                        self.cfg.streams.dead_letters,
+                        entry,
+                        f"field 'kind': {msg.KIND!r} does not belong on a step stream",
+                    )
+                    await self.reader.ack([entry])
+                    continue
+                result = await self._execute(msg)
+                await transport.append(self.r, self.cfg.streams.results, result, maxlen=10_000)
+                await self.reader.ack([entry])
+
+    async def _execute(self, step: StepMessage) -> StepResult:
+        started = time.perf_counter()
+        start_ns = time.time_ns()
+        error = None
+        sampled: dict[str, int] = {}
+        try:
+            sampled = await asyncio.to_thread(self.runner.execute, step)
+        except StepError as exc:
+            error = f"step {step.step_id} refused: {exc}"
+            log.error("step_refused", step_id=step.step_id, error=str(exc))
+        except Exception as exc:  # a failed step must reach the ledger, not kill the worker
+            error = f"step {step.step_id} failed: {type(exc).__name__}: {exc}"
+            log.exception("step_failed", step_id=step.step_id)
+        elapsed = time.perf_counter() - started
+        self.steps_done += 1
+        self._trace_step(step, start_ns, error)
+        return StepResult(
+            step_id=step.step_id,
+            epoch=step.epoch,
+            worker_id=self.worker_id,
+            sampled_token_ids=sampled,
+            execute_seconds=elapsed,
+            error=error,
+        )
+
+    def _trace_step(self, step: StepMessage, start_ns: int, error: str | None) -> None:
+        if self.tracer is None:
+            return
+        pairs = [(r.traceparent, {Attr.REQUEST_ID: r.req_id}) for r in step.new_reqs]
+        pairs += [(r.traceparent, {Attr.REQUEST_ID: r.req_id}) for r in step.cached_reqs]
+        num_tokens = sum(step.num_scheduled_tokens.values())
+        decode_tokens = sum(
+            1 for r in step.cached_reqs if step.num_scheduled_tokens.get(r.req_id) == 1
+        )
+        span = self.tracer.start_span(
+            SpanName.STEP,
+            kind=SpanKind.CONSUMER,
+            start_time=start_ns,
+            links=links_from_traceparents(pairs),
+            attributes={
+                Attr.STEP_ID: step.step_id,
+                Attr.WORKER_ID: self.worker_id,
+                Attr.BATCH_SIZE: len(pairs),
+                Attr.NUM_TOKENS: num_tokens,
+                Attr.NUM_DECODE_TOKENS: decode_tokens,
+                Attr.NUM_PREFILL_TOKENS: num_tokens - decode_tokens,
+                Attr.MESSAGING_SYSTEM: "redis",
+                Attr.MESSAGING_OPERATION_TYPE: "process",
+                Attr.MESSAGING_DESTINATION_NAME: self.steps_stream,
+                Attr.MESSAGING_BATCH_MESSAGE_COUNT: len(pairs),
+            },
+        )
+        if error is not None:
+            span.set_attribute("error.type", error.split(":")[0])
+        span.end()
+
+
+def configure_torch_threads(device: torch.device) -> None:
+    # On a small shared CPU, one intra-op thread per worker avoids oversubscription that made
+    # steps two orders of magnitude slower; bigger machines get a quarter of their cores.
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 4))

@@ -1,0 +1,644 @@
+"""The ledger service: the scheduler and the block pool behind Redis Streams.
+
+One engine loop owns every piece of ledger state and is the only task that changes it: it takes
+new requests and aborts from the intake queue, schedules a step, appends it for the workers,
+waits for their sampled tokens, applies them, streams outputs to the gateways and publishes the
+KV events. Other tasks only read streams and keys (requests, results, worker heartbeats) and
+hand what they read to the engine loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgpack
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from ledger.capacity import BlockCost, capacity_line, check_enough_blocks
+from ledger.events import AllBlocksCleared, KVEventBatch, encode_batch
+from ledger.hashing import BlockHasher, to_event_hash
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request, RequestStatus
+from ledger.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.telemetry import LedgerTelemetry
+from observability import LedgerMetrics, get_logger, metrics_handler, new_registry
+from services import registry, transport
+from services.config import LedgerConfig
+from services.messages import (
+    AbortRequest,
+    CachedRequestData,
+    GenerateRequest,
+    LedgerStatus,
+    NewRequestData,
+    RequestOutput,
+    StepMessage,
+    StepResult,
+    WorkerHello,
+)
+from services.wire import WireError, encode
+
+log = get_logger("kvledger.ledger")
+
+CONSUMER = "ledger"  # one ledger per group: a fixed name lets a restart re-read its pending entries
+
+
+class StartupError(RuntimeError):
+    """The ledger cannot serve with what the workers reported (the message says what to change)."""
+
+
+@dataclass(slots=True)
+class Tracked:
+    """What the shell keeps per request beside the core's Request."""
+
+    entry: transport.Entry
+    msg: GenerateRequest
+
+
+class LedgerService:
+    def __init__(self, config: LedgerConfig, r: aioredis.Redis, tracer=None) -> None:
+        self.cfg = config
+        self.r = r
+        self.streams = config.streams
+        self.tracer = tracer
+        self.ledger_id = uuid.uuid4().hex[:12]
+        self.generation = 0  # bumped whenever the workers' KV data is lost
+        self.started_at = time.time()
+        self.stopping = asyncio.Event()
+        self.ready = asyncio.Event()
+        self.intake: asyncio.Queue[transport.Entry] = asyncio.Queue()
+        self.intake_event = asyncio.Event()
+        self.results: dict[int, dict[str, StepResult]] = {}
+        self.result_event = asyncio.Event()
+        self.workers: dict[str, WorkerHello] = {}
+        self.membership_changed = False
+        self.tracked: dict[str, Tracked] = {}
+        self.requests_reader = transport.GroupReader(r, [self.streams.requests], "ledger", CONSUMER)
+        self.results_reader = transport.GroupReader(r, [self.streams.results], "ledger", CONSUMER)
+        self.scheduler: Scheduler | None = None
+        self.manager: KVCacheManager | None = None
+        self.hasher: BlockHasher | None = None
+        self.metrics: LedgerMetrics | None = None
+        self.telemetry: LedgerTelemetry | None = None
+        self.num_gpu_blocks = 0
+        self.vocab_size = 0
+        self.model_name = ""
+        self.capacity = ""
+        self.events_published = 0
+        self.last_event_id: bytes | None = None
+        self.last_snapshot = 0.0
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.ledger_id}.{self.generation}"
+
+    # ------------------------------------------------------------------ start-up
+
+    async def run(self) -> None:
+        await self.requests_reader.ensure_groups("0")
+        # Results from before this start belong to a previous epoch: skip them.
+        await self.r.delete(self.streams.results)
+        await self.results_reader.ensure_groups("$")
+        hellos = await self._wait_for_workers()
+        self._start_engine(hellos)
+        await self._new_generation("ledger start")
+        tasks = [
+            asyncio.create_task(self._intake_loop(), name="intake"),
+            asyncio.create_task(self._results_loop(), name="results"),
+            asyncio.create_task(self._status_loop(), name="status"),
+        ]
+        self.ready.set()
+        try:
+            await self._engine_loop()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._write_snapshot()
+            await self.r.delete(self.streams.ledger_status)
+
+    async def _wait_for_workers(self) -> list[WorkerHello]:
+        announced = 0.0
+        while not self.stopping.is_set():
+            workers = await registry.live_workers(self.r, self.cfg.stream_prefix, self.cfg.group)
+            if len(workers) >= self.cfg.num_workers:
+                self.workers = workers
+                return list(workers.values())
+            if time.monotonic() - announced > 10:
+                log.info(
+                    "waiting_for_workers",
+                    group=self.cfg.group,
+                    have=len(workers),
+                    want=self.cfg.num_workers,
+                )
+                announced = time.monotonic()
+            await asyncio.sleep(0.2)
+        raise asyncio.CancelledError
+
+    def _start_engine(self, hellos: list[WorkerHello]) -> None:
+        cfg = self.cfg
+        for hello in hellos:
+            if hello.block_size != cfg.block_size:
+                raise StartupError(
+                    f"worker {hello.worker_id} uses block_size {hello.block_size} but the ledger uses "
+                    f"{cfg.block_size}: set KVLEDGER_BLOCK_SIZE the same for every service"
+                )
+        smallest = min(hellos, key=lambda h: h.num_gpu_blocks)
+        num_blocks = cfg.num_gpu_blocks_override or smallest.num_gpu_blocks
+        if num_blocks > smallest.num_gpu_blocks:
+            raise StartupError(
+                f"num_gpu_blocks_override={num_blocks} exceeds what worker {smallest.worker_id} holds "
+                f"({smallest.num_gpu_blocks} blocks): the override cannot create memory"
+            )
+        try:
+            check_enough_blocks(
+                num_blocks, BlockCost(smallest.bytes_per_block, cfg.block_size), cfg.max_model_len
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self.num_gpu_blocks = num_blocks
+        self.vocab_size = min(h.vocab_size for h in hellos)
+        self.model_name = smallest.model_name
+        device = "GPU" if smallest.device.startswith("cuda") else smallest.device.upper()
+        self.capacity = capacity_line(num_blocks, cfg.block_size, cfg.max_model_len, device)
+        self.manager = KVCacheManager(
+            num_blocks,
+            cfg.block_size,
+            cfg.max_model_len,
+            enable_caching=cfg.enable_prefix_caching,
+            enable_kv_cache_events=True,
+            watermark=cfg.watermark,
+            record_evictions=True,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=cfg.max_model_len,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                policy=cfg.policy,
+            ),
+            self.manager,
+        )
+        self.hasher = BlockHasher(cfg.hash_algo) if cfg.enable_prefix_caching else None
+        self.metrics = LedgerMetrics(new_registry(), self.model_name)
+        self.telemetry = LedgerTelemetry(self.tracer, self.metrics)
+        log.info(
+            "kv_cache_capacity",
+            line=self.capacity,
+            num_gpu_blocks=num_blocks,
+            block_size=cfg.block_size,
+            workers=sorted(self.workers),
+            profile=smallest.detail,
+        )
+
+    async def _new_generation(self, reason: str) -> None:
+        """Start over on the workers' side: a new epoch, and AllBlocksCleared for subscribers."""
+        self.generation += 1
+        assert self.manager is not None
+        self.manager.take_events()
+        await self._publish_events([AllBlocksCleared()])
+        await self._write_snapshot()
+        log.info("epoch_started", epoch=self.epoch, reason=reason)
+
+    # ------------------------------------------------------------------ the engine loop
+
+    async def _engine_loop(self) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None and self.manager is not None and self.telemetry is not None
+        while not self.stopping.is_set():
+            await self._drain_intake()
+            if self.membership_changed:
+                await self._workers_changed("worker membership changed")
+            if not scheduler.has_unfinished_requests():
+                await self._wait_for_intake(0.5)
+                continue
+            if not self.workers:
+                await asyncio.sleep(0.2)
+                continue
+            out = scheduler.schedule()
+            self.telemetry.on_schedule(out, self.manager)
+            await self._publish_events(self.manager.take_events())
+            if out.is_empty:
+                await self._wait_for_intake(0.05)
+                continue
+            started = time.monotonic()
+            await transport.append(
+                self.r, self.streams.steps(self.cfg.group), self._step_message(out), maxlen=10_000
+            )
+            sampled = await self._await_results(out)
+            if sampled is None:
+                await self._workers_changed("a step failed on a worker")
+                continue
+            updates = scheduler.update_from_output(out, sampled)
+            await self._send_outputs(updates)
+            await self._publish_events(self.manager.take_events())
+            self.telemetry.update_metrics(scheduler, self.manager)
+            if self.metrics is not None:
+                self.metrics.record_step(time.monotonic() - started)
+
+    async def _wait_for_intake(self, timeout: float) -> None:
+        self.intake_event.clear()
+        if self.intake.empty():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.intake_event.wait(), timeout)
+
+    def _step_message(self, out: SchedulerOutput) -> StepMessage:
+        def traceparent(request: Request) -> str | None:
+            return request.payload.msg.traceparent if request.payload else None
+
+        return StepMessage(
+            step_id=out.step_id,
+            epoch=self.epoch,
+            new_reqs=[
+                NewRequestData(
+                    req_id=new.request.request_id,
+                    token_ids=new.token_ids,
+                    num_prompt_tokens=new.request.num_prompt_tokens,
+                    block_ids=new.block_ids,
+                    num_computed_tokens=new.num_computed_tokens,
+                    sampling=new.request.payload.msg.sampling,
+                    traceparent=traceparent(new.request),
+                )
+                for new in out.scheduled_new_reqs
+            ],
+            cached_reqs=[
+                CachedRequestData(
+                    req_id=c.request.request_id,
+                    new_token_ids=c.new_token_ids,
+                    new_block_ids=c.new_block_ids,
+                    num_computed_tokens=c.num_computed_tokens,
+                    traceparent=traceparent(c.request),
+                )
+                for c in out.scheduled_cached_reqs
+            ],
+            num_scheduled_tokens=out.num_scheduled_tokens,
+            finished_req_ids=sorted(out.finished_req_ids),
+            preempted_req_ids=out.preempted_req_ids,
+            block_size=self.cfg.block_size,
+            sent_at=time.time(),
+        )
+
+    async def _await_results(self, out: SchedulerOutput) -> dict[str, int] | None:
+        """The tokens of this step, once every worker of the group answered; None if a worker
+        failed, vanished, restarted or answered something that does not fit the step."""
+        expected_workers = dict(self.workers)
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        step_id = out.step_id
+        while True:
+            got = self.results.get(step_id, {})
+            if set(expected_workers) <= set(got):
+                break
+            if self.membership_changed or self.stopping.is_set():
+                return None
+            if time.monotonic() > deadline:
+                log.error(
+                    "step_timeout",
+                    step_id=step_id,
+                    waited_s=self.cfg.step_timeout_s,
+                    missing=sorted(set(expected_workers) - set(got)),
+                )
+                return None
+            self.result_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.result_event.wait(), 0.5)
+        results = self.results.pop(step_id)
+        for old in [s for s in self.results if s < step_id]:
+            del self.results[old]
+        for worker_id, result in sorted(results.items()):
+            if result.error is not None:
+                log.error("step_failed", step_id=step_id, worker_id=worker_id, error=result.error)
+                return None
+        primary = results[min(expected_workers)]
+        assert self.scheduler is not None
+        want = {
+            rid
+            for rid in out.num_scheduled_tokens
+            if (req := self.scheduler.requests.get(rid)) is not None
+            and req.num_computed_tokens >= req.num_tokens
+        }
+        if set(primary.sampled_token_ids) != want:
+            log.error(
+                "step_result_mismatch",
+                step_id=step_id,
+                worker_id=primary.worker_id,
+                missing=sorted(want - set(primary.sampled_token_ids)),
+                unexpected=sorted(set(primary.sampled_token_ids) - want),
+            )
+            return None
+        return primary.sampled_token_ids
+
+    async def _workers_changed(self, reason: str) -> None:
+        """The workers' KV data can no longer be trusted: recompute everything from scratch."""
+        assert (
+            self.scheduler is not None and self.manager is not None and self.telemetry is not None
+        )
+        self.membership_changed = False
+        preemptions = self.scheduler.preempt_all(reason="worker_lost")
+        out = SchedulerOutput(step_id=self.scheduler.step_id, preemptions=preemptions)
+        self.telemetry.on_schedule(out, self.manager)
+        await self._publish_events(self.manager.take_events())
+        self.manager.reset_prefix_cache()
+        self.workers = await registry.live_workers(self.r, self.cfg.stream_prefix, self.cfg.group)
+        self.workers = {
+            w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks
+        }
+        log.warning(
+            "workers_changed",
+            reason=reason,
+            preempted=len(preemptions),
+            workers=sorted(self.workers),
+        )
+        await self._new_generation(reason)
+
+    # ------------------------------------------------------------------ requests in
+
+    async def _drain_intake(self) -> None:
+        while not self.intake.empty():
+            entry = self.intake.get_nowait()
+            try:
+                msg = transport.decode_entry(entry)
+            except WireError as exc:
+                await self._dead_letter(entry, str(exc))
+                continue
+            if isinstance(msg, GenerateRequest):
+                await self._add_request(entry, msg)
+            elif isinstance(msg, AbortRequest):
+                await self._abort(msg)
+                await self.requests_reader.ack([entry])
+            else:
+                await self._dead_letter(
+                    entry, f"field 'kind': {msg.KIND!r} does not belong on the requests stream"
+                )
+
+    async def _add_request(self, entry: transport.Entry, msg: GenerateRequest) -> None:
+        assert self.scheduler is not None and self.telemetry is not None
+        problem = self._validate(msg)
+        if problem is None and msg.req_id in self.scheduler.requests:
+            problem = f"req_id {msg.req_id!r} is already running"
+        if problem is None:
+            s = msg.sampling
+            request = Request(
+                msg.req_id,
+                msg.prompt_token_ids,
+                s.max_tokens,
+                eos_token_id=s.eos_token_id,
+                stop_token_ids=s.stop_token_ids or (),
+                min_tokens=s.min_tokens,
+                priority=msg.priority,
+                arrival_time=msg.arrival_time,
+                cache_salt=msg.cache_salt,
+                block_hasher=self.hasher,
+                block_size=self.cfg.block_size,
+                payload=Tracked(entry, msg),
+            )
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as exc:
+                problem = str(exc)
+        if problem is not None:
+            log.warning("request_rejected", req_id=msg.req_id, error=problem)
+            await self._send(
+                msg.gateway_id,
+                RequestOutput(
+                    req_id=msg.req_id,
+                    new_token_ids=[],
+                    finished=True,
+                    finish_reason="error",
+                    error=problem,
+                    num_prompt_tokens=len(msg.prompt_token_ids),
+                ),
+            )
+            await self.requests_reader.ack([entry])
+            return
+        self.tracked[msg.req_id] = Tracked(entry, msg)
+        self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
+
+    def _validate(self, msg: GenerateRequest) -> str | None:
+        s = msg.sampling
+        if not msg.prompt_token_ids:
+            return "field 'prompt_token_ids': empty prompt"
+        bad = next((t for t in msg.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"field 'prompt_token_ids': token id {bad} is outside the vocabulary (size {self.vocab_size})"
+        if s.max_tokens < 1:
+            return f"field 'sampling.max_tokens': must be at least 1, got {s.max_tokens}"
+        if len(msg.prompt_token_ids) + s.max_tokens > self.cfg.max_model_len:
+            return (
+                f"field 'sampling.max_tokens': {len(msg.prompt_token_ids)} prompt tokens plus {s.max_tokens} "
+                f"output tokens exceed max_model_len {self.cfg.max_model_len}"
+            )
+        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or s.min_tokens < 0:
+            return "field 'sampling': temperature >= 0, 0 < top_p <= 1, top_k >= 0 and min_tokens >= 0 are required"
+        return None
+
+    async def _abort(self, msg: AbortRequest) -> None:
+        assert self.scheduler is not None
+        for request in self.scheduler.finish_requests([msg.req_id], RequestStatus.FINISHED_ABORTED):
+            log.info("request_aborted", req_id=msg.req_id, reason=msg.reason)
+            await self._finish_tracking(
+                request,
+                RequestOutput(
+                    req_id=request.request_id,
+                    new_token_ids=[],
+                    position=request.num_output_tokens,
+                    finished=True,
+                    finish_reason="abort",
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_preemptions=request.num_preemptions,
+                ),
+            )
+        await self._publish_events(self.manager.take_events() if self.manager else [])
+
+    # ------------------------------------------------------------------ outputs
+
+    async def _send_outputs(self, updates: list[RequestUpdate]) -> None:
+        by_gateway: dict[str, list[RequestOutput]] = {}
+        finished = []
+        for update in updates:
+            request = update.request
+            tracked: Tracked = request.payload
+            out = RequestOutput(
+                req_id=request.request_id,
+                new_token_ids=update.new_token_ids,
+                position=request.num_output_tokens - len(update.new_token_ids),
+                finished=update.finished,
+                finish_reason=update.finish_reason,
+                stop_token_id=request.stop_reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_preemptions=request.num_preemptions,
+            )
+            by_gateway.setdefault(tracked.msg.gateway_id, []).append(out)
+            if update.finished:
+                finished.append(request)
+        if by_gateway:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for gateway_id, outs in by_gateway.items():
+                    for out in outs:
+                        pipe.xadd(
+                            self.streams.outputs(gateway_id),
+                            {transport.FIELD: encode(out)},
+                            maxlen=100_000,
+                            approximate=True,
+                        )
+                await pipe.execute()
+        for request in finished:
+            await self._finish_tracking(request, None)
+
+    async def _finish_tracking(self, request: Request, final: RequestOutput | None) -> None:
+        tracked = self.tracked.pop(request.request_id, None)
+        if self.telemetry is not None:
+            self.telemetry.request_finished(request.request_id)
+        if tracked is None:
+            return
+        if final is not None:
+            await self._send(tracked.msg.gateway_id, final)
+        await self.requests_reader.ack([tracked.entry])
+
+    async def _send(self, gateway_id: str, out: RequestOutput) -> None:
+        await transport.append(self.r, self.streams.outputs(gateway_id), out)
+
+    async def _dead_letter(self, entry: transport.Entry, error: str) -> None:
+        await transport.dead_letter(self.r, self.streams.dead_letters, entry, error)
+        reader = (
+            self.requests_reader if entry.stream == self.streams.requests else self.results_reader
+        )
+        await reader.ack([entry])
+        if self.metrics is not None:
+            self.metrics.record_dead_letter(entry.stream)
+
+    # ------------------------------------------------------------------ KV events
+
+    async def _publish_events(self, events: list) -> None:
+        if not events:
+            return
+        batch = encode_batch(KVEventBatch(time.time(), events))
+        self.last_event_id = await self.r.xadd(
+            self.streams.events, {b"batch": batch}, maxlen=self.cfg.events_maxlen, approximate=True
+        )
+        self.events_published += len(events)
+        if self.metrics is not None:
+            self.metrics.record_kv_events(len(events))
+        # The snapshot is written right after a batch, by the only writer of the stream, so it
+        # is exactly the state after that entry.
+        if time.monotonic() - self.last_snapshot >= self.cfg.snapshot_interval_s:
+            await self._write_snapshot()
+
+    async def _write_snapshot(self) -> None:
+        if self.manager is None:
+            return
+        counts: dict[int, int] = {}
+        for block in self.manager.block_pool.blocks:
+            if block.block_hash is not None:
+                key = to_event_hash(block.block_hash)
+                counts[key] = counts.get(key, 0) + 1
+        snapshot = {
+            "epoch": self.epoch,
+            "stream_id": (self.last_event_id or b"0-0").decode(),
+            "block_size": self.cfg.block_size,
+            "hash_algo": self.cfg.hash_algo,
+            "hashes": [[h, n] for h, n in counts.items()],
+            "written_at": time.time(),
+        }
+        await self.r.set(self.streams.events_snapshot, msgpack.packb(snapshot))
+        self.last_snapshot = time.monotonic()
+
+    # ------------------------------------------------------------------ background readers
+
+    async def _intake_loop(self) -> None:
+        while True:
+            try:
+                entries = await self.requests_reader.read(count=256, block_ms=1000)
+            except aioredis.ConnectionError as exc:
+                log.warning("redis_unavailable", loop="intake", error=str(exc))
+                await asyncio.sleep(1)
+                continue
+            for entry in entries:
+                self.intake.put_nowait(entry)
+            if entries:
+                self.intake_event.set()
+
+    async def _results_loop(self) -> None:
+        while True:
+            try:
+                entries = await self.results_reader.read(count=64, block_ms=1000)
+            except aioredis.ConnectionError as exc:
+                log.warning("redis_unavailable", loop="results", error=str(exc))
+                await asyncio.sleep(1)
+                continue
+            for entry in entries:
+                try:
+                    result = transport.decode_entry(entry, StepResult)
+                except WireError as exc:
+                    await self._dead_letter(entry, str(exc))
+                    continue
+                if result.epoch == self.epoch:
+                    self.results.setdefault(result.step_id, {})[result.worker_id] = result
+                    self.result_event.set()
+                await self.results_reader.ack([entry])
+
+    async def _status_loop(self) -> None:
+        while True:
+            live = await registry.live_workers(self.r, self.cfg.stream_prefix, self.cfg.group)
+            for worker_id, hello in self.workers.items():
+                now = live.get(worker_id)
+                if now is None or now.started_at != hello.started_at:
+                    log.warning("worker_lost", worker_id=worker_id, restarted=now is not None)
+                    self.membership_changed = True
+            joined = sorted(
+                w
+                for w, h in live.items()
+                if w not in self.workers and h.num_gpu_blocks >= self.num_gpu_blocks
+            )
+            if joined and not self.membership_changed:
+                log.info("worker_joined", workers=joined)
+                self.membership_changed = True  # a fresh worker holds none of the cached data
+            self.intake_event.set()
+            await self._write_status()
+            await asyncio.sleep(min(1.0, self.cfg.worker_ttl_s / 3))
+
+    async def _write_status(self) -> None:
+        scheduler = self.scheduler
+        status = LedgerStatus(
+            epoch=self.epoch,
+            started_at=self.started_at,
+            updated_at=time.time(),
+            model_name=self.model_name,
+            max_model_len=self.cfg.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=self.cfg.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            capacity_line=self.capacity,
+            hash_algo=self.cfg.hash_algo,
+            num_workers=len(self.workers),
+            num_running=scheduler.num_running if scheduler else 0,
+            num_waiting=scheduler.num_waiting if scheduler else 0,
+            metrics=self.metrics.snapshot().to_dict() if self.metrics else None,
+        )
+        await self.r.set(self.streams.ledger_status, encode(status), px=5000)
+
+
+def metrics_app(service: LedgerService) -> web.Application:
+    """/metrics (Prometheus) and /health (200 once the pool is sized) on the ledger's own port."""
+    app = web.Application()
+
+    async def health(_: web.Request) -> web.Response:
+        if not service.ready.is_set():
+            return web.json_response({"status": "waiting_for_workers"}, status=503)
+        return web.json_response(
+            {"status": "ok", "epoch": service.epoch, "capacity": service.capacity}
+        )
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        if service.metrics is None:
+            return web.Response(status=503, text="the ledger has not sized its pool yet\n")
+        return await metrics_handler(service.metrics.registry)(request)
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,145 @@
+"""The `kvledger` command line: run the services, and the tools around the ledger.
+
+kvledger up          everything on this machine (private Redis, ledger, worker, gateway)
+kvledger ledger|worker|gateway   one service (Docker, or your own process manager)
+kvledger hash        block hashes of a token list, as the ledger and its KV events see them
+kvledger capacity    the KV cache capacity line (or the refusal) for a model and a budget
+kvledger simulate    the real ledger on the paged-allocator blog's workload
+kvledger events      tail the KV-events stream in a readable form
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.config import GatewayConfig, LedgerConfig, WorkerConfig, add_arguments, from_arguments
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvledger", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from services import launcher, tools
+
+    launcher.add_parser(sub)
+    for name, cls, helptext in (
+        ("ledger", LedgerConfig, "run the ledger service (scheduler, block pool, KV events)"),
+        ("worker", WorkerConfig, "run a worker (model, KV cache tensors, paged attention)"),
+        ("gateway", GatewayConfig, "run the OpenAI-compatible HTTP gateway"),
+    ):
+        p = sub.add_parser(name, help=helptext, description=helptext)
+        add_arguments(p, cls)
+        p.set_defaults(func=_service_main(name, cls))
+    tools.add_parsers(sub)
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+def _service_main(name: str, cls: type):
+    def run(args: argparse.Namespace) -> int:
+        from services.config import ConfigError
+
+        try:
+            config = from_arguments(cls, args)
+        except ConfigError as exc:
+            print(f"kvledger {name}: {exc}", file=sys.stderr)
+            return 2
+        return {"ledger": run_ledger, "worker": run_worker, "gateway": run_gateway}[name](config)
+
+    return run
+
+
+def run_ledger(config: LedgerConfig) -> int:
+    from aiohttp import web
+
+    from ledger.service import LedgerService, StartupError, metrics_app
+    from services.runtime import run_service
+
+    async def main(r, tracer) -> None:
+        service = LedgerService(config, r, tracer)
+        runner = None
+        if config.metrics_port:
+            runner = web.AppRunner(metrics_app(service), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, config.metrics_host, config.metrics_port).start()
+        try:
+            await service.run()
+        except StartupError as exc:
+            print(f"kvledger ledger: {exc}", file=sys.stderr)
+            raise SystemExit(3) from None
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+
+    return run_service("ledger", config, main)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    from gpu_worker.profile import ProfileSettings
+    from gpu_worker.runner import ModelRunner, RunnerConfig
+    from gpu_worker.service import WorkerService, configure_torch_threads
+    from services.runtime import run_service
+
+    async def main(r, tracer) -> None:
+        import asyncio
+
+        import torch
+
+        device = torch.device(
+            config.device
+            if config.device != "auto"
+            else "cuda"
+            if torch.cuda.is_available()
+            else "cpu"
+        )
+        configure_torch_threads(device)
+        runner_config = RunnerConfig(
+            model=config.model,
+            dtype=config.dtype,
+            device=str(device),
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            profile=ProfileSettings(
+                block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                num_gpu_blocks_override=config.num_gpu_blocks_override,
+            ),
+        )
+        try:
+            runner = await asyncio.to_thread(ModelRunner.create, runner_config)
+        except ValueError as exc:  # missing checkpoint files, no memory for the cache, ...
+            print(f"kvledger worker: {exc}", file=sys.stderr)
+            raise SystemExit(3) from None
+        await WorkerService(config, r, runner, tracer).run()
+
+    return run_service("worker", config, main)
+
+
+def run_gateway(config: GatewayConfig) -> int:
+    import asyncio
+
+    from gateway.app import serve
+
+    from observability import configure_logging, setup_tracing, shutdown_tracing
+    from services.runtime import require_redis_url
+
+    configure_logging("kvledger-gateway", level=config.log_level, fmt=config.log_format)
+    require_redis_url(config, "gateway")
+    setup_tracing("kvledger-gateway")
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown_tracing()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

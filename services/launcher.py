@@ -1,0 +1,198 @@
+"""`kvledger up`: the whole system on this machine, with embedded defaults.
+
+Starts a private redis-server on a free loopback port (unless --redis-url is given), then the
+ledger, one worker and the gateway as child processes; waits until the ledger has sized its pool,
+prints the capacity line, the URL and a curl example, and stops everything it started on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import redis
+
+from services import wire
+from services.config import StreamNames
+from services.messages import LedgerStatus
+from services.redis_server import RedisServer, RedisServerError, free_port
+
+CPU_KV_CACHE_DEFAULT = "256MiB"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up", help="start Redis, the ledger, a worker and the gateway on this machine"
+    )
+    p.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--model", default=None, help="model folder (Hugging Face layout) or 'default'")
+    p.add_argument("--device", default=None, help="auto, cpu or cuda")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        default=None,
+        help=f"KV cache per worker (default on the CPU: {CPU_KV_CACHE_DEFAULT}; on CUDA: profiled)",
+    )
+    p.add_argument(
+        "--num-gpu-blocks-override", default=None, help="pin the block count (tests, benchmarks)"
+    )
+    p.add_argument("--max-model-len", default=None)
+    p.add_argument("--block-size", default=None)
+    p.add_argument("--max-num-seqs", default=None)
+    p.add_argument("--max-num-batched-tokens", default=None)
+    p.add_argument("--watermark", default=None)
+    p.add_argument(
+        "--metrics-port", type=int, default=0, help="ledger Prometheus port (0: a free one)"
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for the ledger"
+    )
+    p.set_defaults(func=cmd_up)
+
+
+def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["KVLEDGER_REDIS_URL"] = redis_url
+    env["KVLEDGER_HOST"] = args.host
+    env["KVLEDGER_PORT"] = str(args.port)
+    env["KVLEDGER_METRICS_PORT"] = str(metrics_port)
+    flags = {
+        "KVLEDGER_MODEL": args.model,
+        "KVLEDGER_DEVICE": args.device,
+        "KVLEDGER_KV_CACHE_MEMORY_BYTES": args.kv_cache_memory_bytes,
+        "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": args.num_gpu_blocks_override,
+        "KVLEDGER_MAX_MODEL_LEN": args.max_model_len,
+        "KVLEDGER_BLOCK_SIZE": args.block_size,
+        "KVLEDGER_MAX_NUM_SEQS": args.max_num_seqs,
+        "KVLEDGER_MAX_NUM_BATCHED_TOKENS": args.max_num_batched_tokens,
+        "KVLEDGER_WATERMARK": args.watermark,
+    }
+    env.update({k: str(v) for k, v in flags.items() if v is not None})
+    if not env.get("KVLEDGER_KV_CACHE_MEMORY_BYTES") and not _cuda_wanted(
+        env.get("KVLEDGER_DEVICE", "auto")
+    ):
+        env["KVLEDGER_KV_CACHE_MEMORY_BYTES"] = CPU_KV_CACHE_DEFAULT
+    return env
+
+
+def _cuda_wanted(device: str) -> bool:
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        return True
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    server = None
+    redis_url = args.redis_url or os.environ.get("KVLEDGER_REDIS_URL")
+    if not redis_url:
+        try:
+            server = RedisServer().start()
+        except RedisServerError as exc:
+            print(f"kvledger up: {exc}", file=sys.stderr)
+            return 2
+        redis_url = server.url
+        print(f"kvledger up: private redis-server at {redis_url}", flush=True)
+    metrics_port = args.metrics_port or free_port()
+    env = _child_env(args, redis_url, metrics_port)
+    children: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for role in ("ledger", "worker", "gateway"):
+            children[role] = subprocess.Popen([sys.executable, "-m", "services.cli", role], env=env)
+        status = _wait_for_ledger(
+            redis_url, env.get("KVLEDGER_STREAM_PREFIX", "kvl"), children, args.startup_timeout
+        )
+        if status is None:
+            return 1
+        _banner(status, args.host, args.port, metrics_port)
+        while not stopping:
+            for role, child in children.items():
+                if child.poll() is not None:
+                    print(
+                        f"kvledger up: the {role} exited with code {child.returncode}; stopping",
+                        file=sys.stderr,
+                    )
+                    return 1
+            time.sleep(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        _stop_children(children)
+        if server is not None:
+            server.stop()
+
+
+def _wait_for_ledger(
+    url: str, prefix: str, children: dict[str, subprocess.Popen], timeout: float
+) -> LedgerStatus | None:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            for role, child in children.items():
+                if child.poll() is not None:
+                    print(
+                        f"kvledger up: the {role} exited at start-up with code {child.returncode}",
+                        file=sys.stderr,
+                    )
+                    return None
+            data = client.get(StreamNames(prefix).ledger_status)
+            if data:
+                return wire.decode(data, LedgerStatus)
+            time.sleep(0.2)
+    finally:
+        client.close()
+    print(f"kvledger up: the ledger did not come up within {timeout:.0f}s", file=sys.stderr)
+    return None
+
+
+def _banner(status: LedgerStatus, host: str, port: int, metrics_port: int) -> None:
+    url = f"http://{host}:{port}"
+    auth = (
+        ' -H "Authorization: Bearer $KVLEDGER_API_KEY"'
+        if os.environ.get("KVLEDGER_API_KEY")
+        else ""
+    )
+    print(
+        f"\n{status.capacity_line}\n"
+        f"kvledger is serving {status.model_name} at {url}  (metrics: http://127.0.0.1:{metrics_port}/metrics)\n"
+        f"Try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f'    -d \'{{"model": "{status.model_name}", "prompt": "The KV cache", "max_tokens": 16}}\'\n'
+        "Press Ctrl-C to stop.\n",
+        flush=True,
+    )
+
+
+def _stop_children(children: dict[str, subprocess.Popen]) -> None:
+    # The gateway first (it aborts in-flight requests), the ledger last.
+    for role in ("gateway", "worker", "ledger"):
+        child = children.get(role)
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children.values():
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=5)

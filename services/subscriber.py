@@ -1,0 +1,206 @@
+"""A KV-events subscriber for routers: bootstrap from the snapshot, follow the stream, resume.
+
+It keeps a prefix index (event hash -> how many physical blocks hold it) and answers "how many
+leading tokens of this prompt are cached" by hashing the prompt itself, which needs the ledger's
+hash algorithm and NONE_HASH seed. It checkpoints its index and last stream id to a file, so a
+restarted subscriber resumes where it stopped; if the stream was trimmed past that id (events
+lost), it starts over from the snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgpack
+import redis.asyncio as aioredis
+
+from ledger.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from ledger.hashing import BlockHasher, to_event_hash
+from services.config import StreamNames
+from services.transport import connect, read_from
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self.counts: Counter[int] = Counter()
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.counts.update(h for h in event.block_hashes if isinstance(h, int))
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    if self.counts.get(h, 0) > 1:
+                        self.counts[h] -= 1
+                    else:
+                        self.counts.pop(h, None)
+            elif isinstance(event, AllBlocksCleared):
+                self.counts.clear()
+
+    def cached_prefix_tokens(
+        self,
+        token_ids: Sequence[int],
+        hasher: BlockHasher,
+        block_size: int,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Leading tokens of the prompt whose blocks are cached (the ledger's hit is at most
+        this, and never the whole prompt: it recomputes the last token)."""
+        cached = 0
+        for block_hash in hasher.hash_blocks(token_ids, block_size, cache_salt=cache_salt):
+            if to_event_hash(block_hash) not in self.counts:
+                break
+            cached += block_size
+        return cached
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+
+class KVEventSubscriber:
+    def __init__(
+        self, r: aioredis.Redis, prefix: str = "kvl", checkpoint: str | Path | None = None
+    ) -> None:
+        self.r = r
+        self.streams = StreamNames(prefix)
+        self.checkpoint = Path(checkpoint) if checkpoint else None
+        self.index = PrefixIndex()
+        self.last_id: str = "0-0"
+        self.batches_applied = 0
+        self.bootstraps = 0
+
+    async def start(self, mode: str = "snapshot") -> None:
+        """mode: snapshot (the cached blocks now), start (replay the whole stream), or end."""
+        if self.checkpoint is not None and self.checkpoint.exists() and await self._resume():
+            return
+        if mode == "snapshot":
+            await self.bootstrap()
+        elif mode == "end":
+            info = (
+                await self.r.xinfo_stream(self.streams.events)
+                if await self.r.exists(self.streams.events)
+                else None
+            )
+            self.last_id = info["last-generated-id"].decode() if info else "0-0"
+        else:
+            self.last_id = "0-0"
+
+    async def bootstrap(self) -> None:
+        data = await self.r.get(self.streams.events_snapshot)
+        self.index = PrefixIndex()
+        if data is None:  # no ledger has published yet: everything is in the stream
+            self.last_id = "0-0"
+        else:
+            snapshot = msgpack.unpackb(data)
+            self.index.counts.update({h: n for h, n in snapshot["hashes"]})
+            self.last_id = snapshot["stream_id"]
+        self.bootstraps += 1
+        self._save()
+
+    async def _resume(self) -> bool:
+        state = json.loads(self.checkpoint.read_text())
+        last_id = state["last_id"]
+        first = await self.r.xrange(self.streams.events, count=1)
+        if first and _id_tuple(first[0][0].decode()) > _id_tuple(last_id) and last_id != "0-0":
+            # Entries after last_id may have been trimmed away: the index could be wrong.
+            await self.bootstrap()
+            return True
+        self.index.counts = Counter({int(h): n for h, n in state["counts"]})
+        self.last_id = last_id
+        return True
+
+    async def poll(self, block_ms: int | None = 1000, count: int = 256) -> int:
+        """Apply what arrived after last_id; returns how many batches."""
+        entries = await read_from(
+            self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
+        )
+        for entry_id, fields in entries:
+            self.index.apply(decode_batch(fields[b"batch"]))
+            self.last_id = entry_id.decode()
+            self.batches_applied += 1
+        if entries:
+            self._save()
+        return len(entries)
+
+    async def follow(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.poll(block_ms=500)
+
+    def _save(self) -> None:
+        if self.checkpoint is None:
+            return
+        tmp = self.checkpoint.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps({"last_id": self.last_id, "counts": list(self.index.counts.items())})
+        )
+        os.replace(tmp, self.checkpoint)
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def print_events(url: str, prefix: str, start: str, count: int) -> None:
+    """`kvledger events`: one line per event, as they arrive."""
+    r = connect(url)
+    try:
+        sub = KVEventSubscriber(r, prefix)
+        if start == "snapshot":
+            await sub.bootstrap()
+            print(
+                f"snapshot at {sub.last_id}: {sum(sub.index.counts.values())} cached blocks "
+                f"({len(sub.index)} distinct hashes)",
+                flush=True,
+            )
+        else:
+            await sub.start(start)
+        seen = 0
+        while count == 0 or seen < count:
+            entries = await read_from(r, sub.streams.events, sub.last_id, count=64, block_ms=1000)
+            for entry_id, fields in entries:
+                sub.last_id = entry_id.decode()
+                batch = decode_batch(fields[b"batch"])
+                stamp = (
+                    time.strftime("%H:%M:%S", time.localtime(batch.ts))
+                    + f".{int(batch.ts * 1000) % 1000:03d}"
+                )
+                for event in batch.events:
+                    print(f"{stamp} {sub.last_id:>17}  {describe(event)}", flush=True)
+                seen += 1
+                if count and seen >= count:
+                    return
+    finally:
+        await r.aclose()
+
+
+def describe(event) -> str:
+    if isinstance(event, BlockStored):
+        hashes = ", ".join(
+            f"{h:016x}" if isinstance(h, int) else str(h) for h in event.block_hashes[:4]
+        )
+        more = f" (+{len(event.block_hashes) - 4})" if len(event.block_hashes) > 4 else ""
+        parent = (
+            f"{event.parent_block_hash:016x}"
+            if isinstance(event.parent_block_hash, int)
+            else "none"
+        )
+        salt = (
+            f" extra_keys={event.extra_keys[0]}" if event.extra_keys and event.extra_keys[0] else ""
+        )
+        return (
+            f"BlockStored    {len(event.block_hashes)} block(s) of {event.block_size}, parent {parent}: "
+            f"{hashes}{more}{salt}"
+        )
+    if isinstance(event, BlockRemoved):
+        hashes = ", ".join(
+            f"{h:016x}" if isinstance(h, int) else str(h) for h in event.block_hashes
+        )
+        return f"BlockRemoved   {hashes}"
+    return "AllBlocksCleared"

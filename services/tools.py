@@ -1,0 +1,174 @@
+"""`kvledger hash`, `capacity`, `simulate` and `events`: tools around the ledger core."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from ledger.capacity import (
+    KVCacheShape,
+    capacity_line,
+    check_enough_kv_cache_memory,
+    dtype_bytes,
+    kv_budget_from_utilization,
+    num_blocks_from_memory,
+)
+from ledger.hashing import HASH_ALGOS, BlockHasher, resolve_none_hash_seed, to_event_hash
+from services.config import parse_bytes
+from services.tables import format_table
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("hash", help="print the block hashes of a token list (hex and KV-event int)")
+    p.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--algo", choices=HASH_ALGOS, default="sha256")
+    p.add_argument("--seed", help="NONE_HASH seed (default: PYTHONHASHSEED, else vLLM's default)")
+    p.add_argument("--cache-salt", help="the request's cache_salt (enters block 0 only)")
+    p.set_defaults(func=cmd_hash)
+
+    p = sub.add_parser(
+        "capacity", help="print the KV cache capacity line, or why one request cannot fit"
+    )
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--kv-heads", type=int, required=True)
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument(
+        "--dtype", default="bfloat16", help="KV cache dtype (bfloat16, float16, float32, fp8)"
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--kv-cache-memory", help="the KV budget, e.g. 55910MiB or 20GiB")
+    p.add_argument(
+        "--total-memory", help="device memory, e.g. 80GiB (with --gpu-memory-utilization)"
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    p.add_argument("--weights", default="0", help="weights size, e.g. 15GiB")
+    p.add_argument("--activation-peak", default="0", help="profiled peak activation memory")
+    p.add_argument("--num-gpu-blocks-override", type=int)
+    p.add_argument("--device", default="GPU", help="name in the capacity line (GPU, CPU)")
+    p.set_defaults(func=cmd_capacity)
+
+    p = sub.add_parser(
+        "simulate", help="run the real ledger on the paged-allocator blog's workload"
+    )
+    p.add_argument(
+        "--policy",
+        choices=("blog", "vllm", "all"),
+        default="all",
+        help="blog: the blog's rules over our BlockPool (reproduces its tables); vllm: our scheduler",
+    )
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--json", type=Path, help="also write every result as JSON here")
+    p.add_argument(
+        "--plot", type=Path, help="also draw the sweeps as a PNG here (needs matplotlib)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("events", help="tail the KV-events stream in a readable form")
+    p.add_argument("--redis-url", help="Redis URL (env KVLEDGER_REDIS_URL)")
+    p.add_argument(
+        "--stream-prefix", default=None, help="key prefix (env KVLEDGER_STREAM_PREFIX, default kvl)"
+    )
+    p.add_argument(
+        "--from",
+        dest="start",
+        default="snapshot",
+        choices=("snapshot", "start", "end"),
+        help="snapshot: the cached blocks now, then new events; start: replay the stream",
+    )
+    p.add_argument("--count", type=int, default=0, help="stop after this many batches (0: follow)")
+    p.set_defaults(func=cmd_events)
+
+
+def cmd_hash(args: argparse.Namespace) -> int:
+    try:
+        tokens = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
+    except ValueError:
+        print("kvledger hash: --tokens takes comma-separated integers, e.g. 1,2,3", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else resolve_none_hash_seed(args.algo)
+    hasher = BlockHasher(args.algo, seed=seed)
+    hashes = hasher.hash_blocks(tokens, args.block_size, cache_salt=args.cache_salt)
+    print(
+        f"algo={args.algo} seed={seed!r} block_size={args.block_size} NONE_HASH={hasher.none_hash.hex()}"
+    )
+    rows = [
+        [
+            i,
+            f"{i * args.block_size}..{(i + 1) * args.block_size - 1}",
+            h.hex(),
+            str(to_event_hash(h)),
+        ]
+        for i, h in enumerate(hashes)
+    ]
+    print(format_table(["block", "tokens", "hash (hex)", "KV-event int"], rows))
+    if len(tokens) % args.block_size:
+        print(f"({len(tokens) % args.block_size} trailing tokens make no full block: never cached)")
+    return 0
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    shape = KVCacheShape(
+        args.layers, args.kv_heads, args.head_dim, dtype_bytes(args.dtype), args.block_size
+    )
+    if args.kv_cache_memory:
+        budget = parse_bytes(args.kv_cache_memory)
+    elif args.total_memory:
+        budget = kv_budget_from_utilization(
+            parse_bytes(args.total_memory),
+            args.gpu_memory_utilization,
+            parse_bytes(args.weights),
+            parse_bytes(args.activation_peak),
+        )
+    else:
+        print(
+            "kvledger capacity: give --kv-cache-memory, or --total-memory (with --weights ...)",
+            file=sys.stderr,
+        )
+        return 2
+    num_blocks = num_blocks_from_memory(budget, shape, args.num_gpu_blocks_override)
+    print(f"{shape.bytes_per_block:,} bytes per block; {num_blocks:,} blocks from {budget:,} bytes")
+    try:
+        check_enough_kv_cache_memory(num_blocks * shape.bytes_per_block, shape, args.max_model_len)
+    except ValueError as exc:
+        print(f"ValueError: {exc}")
+        return 1
+    print(capacity_line(num_blocks, args.block_size, args.max_model_len, args.device))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from services.simulate_report import run_and_report
+
+    return run_and_report(args)
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.config import env
+    from services.subscriber import print_events
+
+    url = args.redis_url or env("KVLEDGER_REDIS_URL")
+    if not url:
+        print("kvledger events: set --redis-url or KVLEDGER_REDIS_URL", file=sys.stderr)
+        return 2
+    prefix = args.stream_prefix or env("KVLEDGER_STREAM_PREFIX", "kvl")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(print_events(url, prefix, args.start, args.count))
+    return 0
+
+
+def write_json(path: Path, payload: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def now_stamp() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

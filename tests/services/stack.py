@@ -1,0 +1,167 @@
+"""An in-process kvledger stack for tests: the real ledger and worker services as asyncio tasks
+on a real redis-server, plus a client that speaks the gateway's side of the streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.model import LlamaForCausalLM
+from gpu_worker.runner import ModelRunner
+from gpu_worker.service import WorkerService
+from ledger.service import LedgerService
+from services import transport, wire
+from services.config import LedgerConfig, WorkerConfig
+from services.messages import AbortRequest, GenerateRequest, RequestOutput, SamplingParams
+
+GATEWAY = "test-gateway"
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    final: RequestOutput | None = None
+
+
+def dense_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
+    """The ground truth: a cache-free forward over the whole sequence for every token."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            tokens.append(int(model.dense_logits(tokens)[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+class Stack:
+    def __init__(
+        self,
+        url: str,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        max_model_len: int = 256,
+        **ledger_kwargs,
+    ) -> None:
+        self.url = url
+        self.model = model
+        self.prefix = f"t{uuid.uuid4().hex[:8]}"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ledger_cfg = LedgerConfig(
+            redis_url=url,
+            stream_prefix=self.prefix,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            metrics_port=0,
+            worker_ttl_s=2.0,
+            snapshot_interval_s=0.0,
+            **ledger_kwargs,
+        )
+        self.r = transport.connect(url)
+        self.ledger: LedgerService | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.workers: dict[str, asyncio.Task] = {}
+        self.results: dict[str, Result] = {}
+        self._reader: asyncio.Task | None = None
+
+    @property
+    def streams(self):
+        return self.ledger_cfg.streams
+
+    async def start(self, num_workers: int = 1) -> Stack:
+        self.ledger = LedgerService(self.ledger_cfg, self.r)
+        self.tasks.append(asyncio.create_task(self.ledger.run(), name="ledger"))
+        for i in range(num_workers):
+            await self.start_worker(f"w{i}")
+        self._reader = asyncio.create_task(self._read_outputs(), name="outputs")
+        await asyncio.wait_for(self.ledger.ready.wait(), 30)
+        return self
+
+    async def start_worker(self, worker_id: str) -> WorkerService:
+        runner = ModelRunner(
+            self.model, self.num_blocks, self.block_size, name="kvledger-tiny-llama"
+        )
+        cfg = WorkerConfig(
+            redis_url=self.url,
+            stream_prefix=self.prefix,
+            worker_id=worker_id,
+            block_size=self.block_size,
+            heartbeat_s=0.3,
+            ttl_s=2.0,
+        )
+        service = WorkerService(cfg, self.r, runner)
+        self.workers[worker_id] = asyncio.create_task(service.run(), name=f"worker-{worker_id}")
+        return service
+
+    async def kill_worker(self, worker_id: str) -> None:
+        task = self.workers.pop(worker_id)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def submit(self, req_id: str, prompt: list[int], max_tokens: int, **kwargs) -> None:
+        self.results[req_id] = Result()
+        sampling = SamplingParams(max_tokens=max_tokens, **kwargs)
+        await transport.append(
+            self.r,
+            self.streams.requests,
+            GenerateRequest(
+                req_id=req_id,
+                gateway_id=GATEWAY,
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                arrival_time=time.time(),
+            ),
+        )
+
+    async def abort(self, req_id: str) -> None:
+        await transport.append(
+            self.r, self.streams.requests, AbortRequest(req_id=req_id, reason="test")
+        )
+
+    async def _read_outputs(self) -> None:
+        last = "$"
+        while True:
+            for entry_id, fields in await transport.read_from(
+                self.r, self.streams.outputs(GATEWAY), last, block_ms=500
+            ):
+                last = entry_id
+                out = wire.decode(fields[transport.FIELD], RequestOutput)
+                result = self.results.setdefault(out.req_id, Result())
+                assert out.position <= len(result.tokens), f"gap in {out.req_id}'s outputs"
+                result.tokens.extend(out.new_token_ids[len(result.tokens) - out.position :])
+                if out.finished:
+                    result.final = out
+
+    async def wait(self, req_ids, timeout: float = 60.0) -> dict[str, Result]:
+        deadline = time.monotonic() + timeout
+        while any(self.results[r].final is None for r in req_ids):
+            if time.monotonic() > deadline:
+                pending = [r for r in req_ids if self.results[r].final is None]
+                raise TimeoutError(f"requests did not finish: {pending}")
+            for task in self.tasks:
+                if task.done():
+                    task.result()  # surface a crashed service
+            await asyncio.sleep(0.05)
+        return {r: self.results[r] for r in req_ids}
+
+    async def stop(self) -> None:
+        for task in [
+            *self.tasks,
+            *self.workers.values(),
+            *([self._reader] if self._reader else []),
+        ]:
+            task.cancel()
+        await asyncio.gather(
+            *self.tasks,
+            *self.workers.values(),
+            *([self._reader] if self._reader else []),
+            return_exceptions=True,
+        )
+        await self.r.aclose()

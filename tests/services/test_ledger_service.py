@@ -1,0 +1,179 @@
+"""The ledger and worker services over a real redis-server: correctness under preemption and
+eviction, abort, bad entries, and a worker lost mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgpack
+
+from ledger.hashing import to_event_hash
+from services import transport, wire
+from services.messages import GenerateRequest, SamplingParams, WorkerShutdown
+from tests.services.stack import Result, Stack, dense_greedy
+
+
+def prompts(n: int, length: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    common = [rng.randrange(32, 127) for _ in range(shared)]
+    return [common + [rng.randrange(32, 127) for _ in range(length - shared)] for _ in range(n)]
+
+
+async def test_shared_prefix_requests_hit_the_cache_and_match_the_dense_model(
+    redis_url, tiny_model
+):
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        batch = prompts(4, 40, seed=1, shared=32)
+        await stack.submit("first", batch[0], 8)
+        await stack.wait(["first"])
+        for i, prompt in enumerate(batch[1:]):
+            await stack.submit(f"r{i}", prompt, 8)
+        results = await stack.wait([f"r{i}" for i in range(3)])
+        assert stack.results["first"].final.num_cached_tokens == 0
+        for i, prompt in enumerate(batch[1:]):
+            assert results[f"r{i}"].final.num_cached_tokens == 32
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 8)
+    finally:
+        await stack.stop()
+
+
+async def test_preemption_and_eviction_keep_greedy_tokens_exact_and_free_every_block(
+    redis_url, tiny_model
+):
+    # 23 lendable blocks of 16; each request needs up to 7: at most 3 fit at once.
+    stack = await Stack(
+        redis_url, tiny_model, num_blocks=24, max_model_len=112, max_num_batched_tokens=256
+    ).start()
+    try:
+        batch = prompts(8, 60, seed=2, shared=16)
+        for i, prompt in enumerate(batch):
+            await stack.submit(f"r{i}", prompt, 40)
+        results = await stack.wait([f"r{i}" for i in range(8)], timeout=120)
+        for i, prompt in enumerate(batch):
+            assert results[f"r{i}"].final.finish_reason == "length"
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 40), f"r{i}"
+        ledger = stack.ledger
+        assert ledger.scheduler.num_preemptions > 0
+        assert (
+            sum(r.final.num_preemptions for r in results.values())
+            == ledger.scheduler.num_preemptions
+        )
+        assert ledger.metrics.snapshot().evicted_blocks > 0
+        assert ledger.manager.num_free_blocks == 23 and ledger.manager.usage == 0.0
+        assert not ledger.manager.req_to_blocks
+    finally:
+        await stack.stop()
+
+
+async def test_abort_frees_the_request_and_reports_it(redis_url, tiny_model):
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        await stack.submit("long", prompts(1, 30, seed=3)[0], 200)
+        while len(stack.results["long"].tokens) < 3:
+            await asyncio.sleep(0.02)
+        await stack.abort("long")
+        result = (await stack.wait(["long"]))["long"]
+        assert result.final.finish_reason == "abort"
+        assert 3 <= len(result.tokens) < 200
+        assert stack.ledger.manager.num_free_blocks == 63
+    finally:
+        await stack.stop()
+
+
+async def test_malformed_and_invalid_entries_are_dead_lettered_and_serving_goes_on(
+    redis_url, tiny_model
+):
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        r, streams = stack.r, stack.streams
+        await r.xadd(streams.requests, {b"m": b"\xc1 not msgpack"})
+        await r.xadd(streams.requests, {b"other": b"field"})
+        await transport.append(r, streams.requests, WorkerShutdown(reason="misrouted"))
+        missing = msgpack.packb({"v": 1, "kind": "generate", "req_id": "x"})
+        await r.xadd(streams.requests, {b"m": missing})
+        await r.xadd(streams.results, {b"m": b"garbage"})
+        await r.xadd(streams.steps("default"), {b"m": msgpack.packb([1, 2, 3])})
+        # A well-formed request whose content is wrong gets an error output, not a crash.
+        await transport.append(
+            r,
+            streams.requests,
+            GenerateRequest(
+                req_id="bad-token",
+                gateway_id="test-gateway",
+                prompt_token_ids=[5, 99999],
+                sampling=SamplingParams(max_tokens=4),
+                arrival_time=0.0,
+            ),
+        )
+        stack.results["bad-token"] = Result()
+        prompt = prompts(1, 20, seed=4)[0]
+        await stack.submit("good", prompt, 6)
+        results = await stack.wait(["good", "bad-token"])
+        assert results["good"].tokens == dense_greedy(tiny_model, prompt, 6)
+        bad = results["bad-token"].final
+        assert bad.finish_reason == "error" and "outside the vocabulary" in bad.error
+        dead = await r.xrange(streams.dead_letters)
+        errors = sorted(fields[b"error"].decode() for _, fields in dead)
+        assert len(dead) == 6
+        assert any("not msgpack" in e for e in errors)
+        assert any("field 'm': missing" in e for e in errors)
+        assert any("'worker_shutdown' does not belong on the requests stream" in e for e in errors)
+        assert any("field 'gateway_id': missing" in e for e in errors)
+        assert (
+            sum(1 for _, f in dead if f[b"source_stream"] == streams.steps("default").encode()) == 1
+        )
+        # Nothing is left pending: every entry was acked.
+        pending = await r.xpending(streams.requests, "ledger")
+        assert pending["pending"] == 0
+    finally:
+        await stack.stop()
+
+
+async def test_a_worker_lost_mid_run_preempts_its_requests_which_then_complete(
+    redis_url, tiny_model
+):
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        batch = prompts(3, 24, seed=5)
+        for i, prompt in enumerate(batch):
+            await stack.submit(f"r{i}", prompt, 60)
+        while min(len(stack.results[f"r{i}"].tokens) for i in range(3)) < 5:
+            await asyncio.sleep(0.02)
+        epoch_before = stack.ledger.epoch
+        await stack.kill_worker("w0")
+        await asyncio.sleep(0.5)
+        await stack.start_worker("w0")
+        results = await stack.wait([f"r{i}" for i in range(3)], timeout=120)
+        for i, prompt in enumerate(batch):
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 60)
+            assert results[f"r{i}"].final.num_preemptions >= 1
+        assert stack.ledger.epoch != epoch_before
+        # The cache was cleared for subscribers too: an AllBlocksCleared after the first one.
+        batches = [
+            msgpack.unpackb(f[b"batch"]) for _, f in await stack.r.xrange(stack.streams.events)
+        ]
+        cleared = [b for b in batches if any(e.get("type") == "AllBlocksCleared" for e in b[1])]
+        assert len(cleared) >= 2
+    finally:
+        await stack.stop()
+
+
+async def test_snapshot_lists_exactly_the_cached_blocks(redis_url, tiny_model):
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        for i, prompt in enumerate(prompts(3, 50, seed=6)):
+            await stack.submit(f"r{i}", prompt, 4)
+        await stack.wait([f"r{i}" for i in range(3)])
+        await stack.ledger._write_snapshot()
+        snapshot = msgpack.unpackb(await stack.r.get(stack.streams.events_snapshot))
+        cached = {
+            to_event_hash(b.block_hash)
+            for b in stack.ledger.manager.block_pool.blocks
+            if b.block_hash
+        }
+        assert {h for h, _ in snapshot["hashes"]} == cached and len(cached) == 9
+        assert wire.WIRE_VERSION == 1
+    finally:
+        await stack.stop()

@@ -1,0 +1,99 @@
+"""The KV-events stream: subscribers that start from the beginning, from a mid-run snapshot, or
+restart from a checkpoint all end with the ledger's cached hash set."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from ledger.hashing import BlockHasher, resolve_none_hash_seed, to_event_hash
+from services.subscriber import KVEventSubscriber
+from tests.services.stack import Stack
+from tests.services.test_ledger_service import prompts
+
+
+async def drain(sub: KVEventSubscriber) -> None:
+    while await sub.poll(block_ms=None) or await sub.poll(block_ms=50):
+        pass
+
+
+def ledger_cached(stack: Stack) -> Counter:
+    return Counter(
+        to_event_hash(b.block_hash) for b in stack.ledger.manager.block_pool.blocks if b.block_hash
+    )
+
+
+async def run_wave(stack: Stack, name: str, batch: list[list[int]]) -> None:
+    ids = [f"{name}{i}" for i in range(len(batch))]
+    for req_id, prompt in zip(ids, batch, strict=True):
+        await stack.submit(req_id, prompt, 20)
+    await stack.wait(ids, timeout=120)
+
+
+async def test_snapshot_replay_and_restart_subscribers_agree_with_the_ledger(
+    redis_url, tiny_model, tmp_path
+):
+    # A small pool so that later waves evict earlier blocks (BlockRemoved events).
+    stack = await Stack(redis_url, tiny_model, num_blocks=32, max_model_len=160).start()
+    try:
+        from_start = KVEventSubscriber(stack.r, stack.prefix)
+        await from_start.start("start")
+        restarted = KVEventSubscriber(stack.r, stack.prefix, checkpoint=tmp_path / "sub.json")
+        await restarted.start("snapshot")
+
+        await run_wave(stack, "a", prompts(4, 70, seed=10, shared=32))
+        await drain(restarted)
+        checkpoint_id = restarted.last_id
+        del restarted  # the subscriber process stops here
+
+        await run_wave(stack, "b", prompts(4, 70, seed=11, shared=48))
+        late = KVEventSubscriber(stack.r, stack.prefix)
+        await late.start("snapshot")  # bootstraps mid-run, without the history
+        assert late.bootstraps == 1 and late.last_id != "0-0"
+
+        await run_wave(stack, "c", prompts(5, 60, seed=12, shared=16))
+        resumed = KVEventSubscriber(stack.r, stack.prefix, checkpoint=tmp_path / "sub.json")
+        await resumed.start("snapshot")
+        assert resumed.bootstraps == 0 and resumed.last_id == checkpoint_id  # resumed, not rebuilt
+
+        for sub in (from_start, late, resumed):
+            await drain(sub)
+        expected = ledger_cached(stack)
+        assert stack.ledger.metrics.snapshot().evicted_blocks > 0
+        assert from_start.index.counts == expected
+        assert late.index.counts == expected
+        assert resumed.index.counts == expected
+
+        # A router hashing a prompt itself finds the ledger's hit.
+        hasher = BlockHasher("sha256", seed=resolve_none_hash_seed("sha256"))
+        probe = prompts(5, 60, seed=12, shared=16)[0]
+        request_hashes = hasher.hash_blocks(probe, 16)
+        cached_blocks = 0
+        for block_hash in request_hashes:
+            if stack.ledger.manager.block_pool.get_cached_block(block_hash) is None:
+                break
+            cached_blocks += 1
+        assert late.index.cached_prefix_tokens(probe, hasher, 16) == cached_blocks * 16 > 0
+    finally:
+        await stack.stop()
+
+
+async def test_a_subscriber_whose_position_was_trimmed_away_rebuilds_from_the_snapshot(
+    redis_url, tiny_model, tmp_path
+):
+    stack = await Stack(redis_url, tiny_model, num_blocks=32, max_model_len=160).start()
+    try:
+        sub = KVEventSubscriber(stack.r, stack.prefix, checkpoint=tmp_path / "sub.json")
+        await sub.start("start")
+        await drain(sub)
+        await run_wave(stack, "a", prompts(3, 50, seed=20))
+        await asyncio.sleep(0)
+        await stack.ledger._write_snapshot()
+        await stack.r.xtrim(stack.streams.events, maxlen=1, approximate=False)
+        again = KVEventSubscriber(stack.r, stack.prefix, checkpoint=tmp_path / "sub.json")
+        await again.start("start")
+        assert again.bootstraps == 1
+        await drain(again)
+        assert again.index.counts == ledger_cached(stack)
+    finally:
+        await stack.stop()
