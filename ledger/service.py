@@ -247,40 +247,7 @@ class LedgerService:
                 await asyncio.wait_for(self.intake_event.wait(), timeout)
 
     def _step_message(self, out: SchedulerOutput) -> StepMessage:
-        def traceparent(request: Request) -> str | None:
-            return request.payload.msg.traceparent if request.payload else None
-
-        return StepMessage(
-            step_id=out.step_id,
-            epoch=self.epoch,
-            new_reqs=[
-                NewRequestData(
-                    req_id=new.request.request_id,
-                    token_ids=new.token_ids,
-                    num_prompt_tokens=new.request.num_prompt_tokens,
-                    block_ids=new.block_ids,
-                    num_computed_tokens=new.num_computed_tokens,
-                    sampling=new.request.payload.msg.sampling,
-                    traceparent=traceparent(new.request),
-                )
-                for new in out.scheduled_new_reqs
-            ],
-            cached_reqs=[
-                CachedRequestData(
-                    req_id=c.request.request_id,
-                    new_token_ids=c.new_token_ids,
-                    new_block_ids=c.new_block_ids,
-                    num_computed_tokens=c.num_computed_tokens,
-                    traceparent=traceparent(c.request),
-                )
-                for c in out.scheduled_cached_reqs
-            ],
-            num_scheduled_tokens=out.num_scheduled_tokens,
-            finished_req_ids=sorted(out.finished_req_ids),
-            preempted_req_ids=out.preempted_req_ids,
-            block_size=self.cfg.block_size,
-            sent_at=time.time(),
-        )
+        return build_step_message(out, self.epoch, self.cfg.block_size)
 
     async def _await_results(self, out: SchedulerOutput) -> dict[str, int] | None:
         """The tokens of this step, once every worker of the group answered; None if a worker
@@ -621,6 +588,45 @@ class LedgerService:
             metrics=self.metrics.snapshot().to_dict() if self.metrics else None,
         )
         await self.r.set(self.streams.ledger_status, encode(status), px=5000)
+
+
+def build_step_message(out: SchedulerOutput, epoch: str, block_size: int) -> StepMessage:
+    """The wire form of one scheduler step; each request's payload is its `Tracked` entry."""
+
+    def traceparent(request: Request) -> str | None:
+        return request.payload.msg.traceparent if request.payload else None
+
+    return StepMessage(
+        step_id=out.step_id,
+        epoch=epoch,
+        new_reqs=[
+            NewRequestData(
+                req_id=new.request.request_id,
+                token_ids=new.token_ids,
+                num_prompt_tokens=new.request.num_prompt_tokens,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=new.request.payload.msg.sampling,
+                traceparent=traceparent(new.request),
+            )
+            for new in out.scheduled_new_reqs
+        ],
+        cached_reqs=[
+            CachedRequestData(
+                req_id=c.request.request_id,
+                new_token_ids=c.new_token_ids,
+                new_block_ids=c.new_block_ids,
+                num_computed_tokens=c.num_computed_tokens,
+                traceparent=traceparent(c.request),
+            )
+            for c in out.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=out.num_scheduled_tokens,
+        finished_req_ids=sorted(out.finished_req_ids),
+        preempted_req_ids=out.preempted_req_ids,
+        block_size=block_size,
+        sent_at=time.time(),
+    )
 
 
 def metrics_app(service: LedgerService) -> web.Application:

@@ -1,0 +1,343 @@
+"""End-to-end load: the service split (HTTP -> gateway -> Redis -> ledger -> worker) against the
+same engine in one process without Redis, on the same workload.
+
+    python benchmarks/e2e.py [--requests 48] [--concurrency 8] [--json benchmarks/results/e2e.json]
+
+Reports requests/s, output tokens/s, time to first token and inter-token latency (p50/p99), the
+prefix-cache hit rate and preemptions for both, and the split's share of the in-process
+throughput (target: at least 85%). The split is started with `kvledger up` in a subprocess and
+driven over streaming HTTP; the baseline drives Scheduler + ModelRunner directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from services.redis_server import free_port  # noqa: E402
+from services.tables import format_table  # noqa: E402
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+@dataclass
+class Report:
+    mode: str
+    wall_s: float
+    requests: int
+    output_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+
+    def row(self) -> list:
+        return [
+            self.mode,
+            self.requests / self.wall_s,
+            self.output_tokens / self.wall_s,
+            _ms(self.ttft_s, 50),
+            _ms(self.ttft_s, 99),
+            _ms(self.itl_s, 50),
+            _ms(self.itl_s, 99),
+            f"{self.prefix_hits / max(self.prefix_queries, 1):.1%}",
+            self.preemptions,
+        ]
+
+
+def _ms(values: list[float], pct: int) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{1000 * ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]:.1f}"
+
+
+def make_workload(
+    n: int, seed: int, prompt_mean: int, output_mean: int, prefixes: int, prefix_len: int
+) -> Workload:
+    rng = random.Random(seed)
+    shared = [[rng.randrange(32, 127) for _ in range(prefix_len)] for _ in range(prefixes)]
+    prompts, outputs = [], []
+    for _ in range(n):
+        body = [
+            rng.randrange(32, 127)
+            for _ in range(max(4, int(rng.lognormvariate(0, 0.5) * prompt_mean)))
+        ]
+        prompts.append((shared[rng.randrange(prefixes)] if prefixes else []) + body)
+        outputs.append(max(2, int(rng.lognormvariate(0, 0.5) * output_mean)))
+    return Workload(prompts, outputs)
+
+
+# ---------------------------------------------------------------- in process, no Redis
+
+
+def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
+    import torch
+
+    from gpu_worker.checkpoint import load_model
+    from gpu_worker.runner import ModelRunner
+    from ledger.hashing import BlockHasher
+    from ledger.kv_cache_manager import KVCacheManager
+    from ledger.request import Request
+    from ledger.scheduler import Scheduler, SchedulerConfig
+    from ledger.service import Tracked, build_step_message
+    from services.messages import GenerateRequest, SamplingParams
+
+    torch.set_num_threads(1)
+    model = load_model("default", seed=0)
+    runner = ModelRunner(model, args.num_blocks, args.block_size, name="kvledger-tiny-llama")
+    manager = KVCacheManager(
+        args.num_blocks, args.block_size, args.max_model_len, enable_caching=True
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
+        manager,
+    )
+    hasher = BlockHasher("sha256")
+    pending = deque(enumerate(zip(work.prompts, work.max_tokens, strict=True)))
+    sent: dict[str, float] = {}
+    last_token: dict[str, float] = {}
+    report = Report("in-process (no Redis)", 0.0, len(work.prompts), 0)
+    started = time.perf_counter()
+    while pending or scheduler.has_unfinished_requests():
+        while pending and scheduler.num_running + scheduler.num_waiting < args.concurrency:
+            i, (prompt, max_tokens) = pending.popleft()
+            rid = f"r{i}"
+            msg = GenerateRequest(
+                req_id=rid,
+                gateway_id="-",
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=max_tokens),
+                arrival_time=time.time(),
+            )
+            scheduler.add_request(
+                Request(
+                    rid,
+                    prompt,
+                    max_tokens,
+                    block_hasher=hasher,
+                    block_size=args.block_size,
+                    payload=Tracked(None, msg),
+                )
+            )
+            sent[rid] = time.perf_counter()
+        out = scheduler.schedule()
+        sampled = runner.execute(build_step_message(out, "bench", args.block_size))
+        now = time.perf_counter()
+        for update in scheduler.update_from_output(out, sampled):
+            rid = update.request.request_id
+            report.output_tokens += len(update.new_token_ids)
+            if rid in last_token:
+                report.itl_s.append(now - last_token[rid])
+            else:
+                report.ttft_s.append(now - sent[rid])
+            last_token[rid] = now
+    report.wall_s = time.perf_counter() - started
+    stats = manager.prefix_cache_stats
+    report.prefix_queries, report.prefix_hits, report.preemptions = (
+        stats.queries,
+        stats.hits,
+        scheduler.num_preemptions,
+    )
+    return report
+
+
+# ---------------------------------------------------------------- the service split, over HTTP
+
+
+async def run_split(work: Workload, args: argparse.Namespace) -> Report:
+    import aiohttp
+
+    port = free_port()
+    env = dict(os.environ, KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000")
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--num-gpu-blocks-override",
+        str(args.num_blocks),
+        "--kv-cache-memory-bytes",
+        "512MiB",
+        "--block-size",
+        str(args.block_size),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "Press Ctrl-C" in line:
+                break
+        else:
+            raise RuntimeError("kvledger up exited before serving")
+        base = f"http://127.0.0.1:{port}"
+        report = Report("service split (HTTP + Redis)", 0.0, len(work.prompts), 0)
+        semaphore = asyncio.Semaphore(args.concurrency)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+
+            async def one(prompt: list[int], max_tokens: int) -> None:
+                async with semaphore:
+                    body = {
+                        "model": "kvledger-tiny-llama",
+                        "prompt": prompt,
+                        "max_tokens": max_tokens,
+                        "stream": True,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                    }
+                    start = last = time.perf_counter()
+                    first = True
+                    async with session.post(f"{base}/v1/completions", json=body) as resp:
+                        resp.raise_for_status()
+                        async for raw in resp.content:
+                            line = raw.decode().strip()
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            chunk = json.loads(line[6:])
+                            if not chunk["choices"] or not chunk["choices"][0].get("text"):
+                                continue
+                            now = time.perf_counter()
+                            (report.ttft_s if first else report.itl_s).append(
+                                now - (start if first else last)
+                            )
+                            first, last = False, now
+                            report.output_tokens += 1
+
+            started = time.perf_counter()
+            await asyncio.gather(
+                *(one(p, m) for p, m in zip(work.prompts, work.max_tokens, strict=True))
+            )
+            report.wall_s = time.perf_counter() - started
+            text = await (await session.get(f"{base}/metrics")).text()
+        report.prefix_queries = int(_metric(text, "vllm:prefix_cache_queries_total"))
+        report.prefix_hits = int(_metric(text, "vllm:prefix_cache_hits_total"))
+        report.preemptions = int(_metric(text, "vllm:num_preemptions_total"))
+        return report
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--prompt-mean", type=int, default=96)
+    parser.add_argument("--output-mean", type=int, default=48)
+    parser.add_argument("--prefixes", type=int, default=4, help="shared system prompts (0: none)")
+    parser.add_argument("--prefix-len", type=int, default=128)
+    parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    work = make_workload(
+        args.requests, args.seed, args.prompt_mean, args.output_mean, args.prefixes, args.prefix_len
+    )
+    print(
+        f"workload: {args.requests} requests, concurrency {args.concurrency}, "
+        f"{sum(map(len, work.prompts)):,} prompt tokens, {sum(work.max_tokens):,} output tokens",
+        flush=True,
+    )
+    baseline = run_in_process(work, args)
+    split = asyncio.run(run_split(work, args))
+    print(
+        format_table(
+            [
+                "mode",
+                "req/s",
+                "output tok/s",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "ITL p50 ms",
+                "ITL p99 ms",
+                "prefix hit rate",
+                "preemptions",
+            ],
+            [baseline.row(), split.row()],
+        )
+    )
+    ratio = (split.output_tokens / split.wall_s) / (baseline.output_tokens / baseline.wall_s)
+    print(f"\nthe split keeps {ratio:.1%} of the in-process output throughput (target: >= 85%)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"json": str(args.json)},
+                    "ratio": ratio,
+                    "in_process": asdict(baseline) | {"ttft_s": None, "itl_s": None},
+                    "split": asdict(split) | {"ttft_s": None, "itl_s": None},
+                    "summary": {
+                        r.mode: dict(
+                            zip(
+                                [
+                                    "mode",
+                                    "req_s",
+                                    "tok_s",
+                                    "ttft_p50_ms",
+                                    "ttft_p99_ms",
+                                    "itl_p50_ms",
+                                    "itl_p99_ms",
+                                    "hit_rate",
+                                    "preemptions",
+                                ],
+                                r.row(),
+                                strict=True,
+                            )
+                        )
+                        for r in (baseline, split)
+                    },
+                    "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
