@@ -125,7 +125,6 @@ def run_gateway(config: GatewayConfig) -> int:
     import asyncio
 
     from gateway.app import serve
-
     from observability import configure_logging, setup_tracing, shutdown_tracing
     from services.runtime import require_redis_url
 
