@@ -8,8 +8,12 @@ a reader learns who lost their cached prefix to whom.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+
+from opentelemetry import context as otel_context
 
 from ledger.hashing import to_event_hash
 from ledger.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -20,11 +24,14 @@ from observability import (
     SpanName,
     extract_context,
     format_block_hashes,
+    get_logger,
     links_from_traceparents,
     record_span,
 )
 
 MAX_REMEMBERED_TRACES = 200_000
+
+log = get_logger("kvledger.ledger")
 
 
 class LedgerTelemetry:
@@ -52,6 +59,14 @@ class LedgerTelemetry:
         for admission in out.admissions:
             rid = admission.request_id
             since = self.waiting_since.pop(rid, now)
+            with self._in_request(rid):
+                log.debug(
+                    "request_admitted",
+                    req_id=rid,
+                    resumed=admission.resumed,
+                    prefix_hit_tokens=admission.num_hit_tokens,
+                    blocks_allocated=admission.num_new_blocks,
+                )
             if self.metrics is not None and not admission.resumed:
                 self.metrics.record_queue_time(max(now - since, 0) / 1e9)
             if self.tracer is None:
@@ -83,6 +98,15 @@ class LedgerTelemetry:
             )
         for preemption in out.preemptions:
             self.waiting_since[preemption.request_id] = now
+            with self._in_request(preemption.request_id):
+                # vLLM warns on every preemption too: it is the first sign of a pool too small.
+                log.warning(
+                    "request_preempted",
+                    req_id=preemption.request_id,
+                    reason=preemption.reason,
+                    caused_by=preemption.caused_by,
+                    blocks_freed=preemption.num_blocks_freed,
+                )
             if self.tracer is not None:
                 record_span(
                     self.tracer,
@@ -134,6 +158,15 @@ class LedgerTelemetry:
             evicted = sum(len(e) for e in out.evictions.values())
             if evicted:
                 self.metrics.record_evictions(evicted)
+
+    @contextlib.contextmanager
+    def _in_request(self, request_id: str) -> Iterator[None]:
+        """Log lines written here carry the request's trace id (the logging processor reads it)."""
+        token = otel_context.attach(extract_context(self.traceparents.get(request_id)))
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
 
     def update_metrics(self, scheduler: Scheduler, manager: KVCacheManager) -> None:
         if self.metrics is None:
