@@ -1,0 +1,333 @@
+"""The aiohttp shell: routes, the auth and error middlewares, the generation handlers (one JSON
+body or server-sent events), and `create_app` / `serve` for `kvledger gateway`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from redis.exceptions import RedisError
+
+from gateway.fields import ApiError
+from gateway.generate import Generation, GenerationError
+from gateway.protocol import Job, parse_chat, parse_completion, parse_json, resolve
+from gateway.responses import SSE_DONE, Meta, chunk_body, error_body, final_body, sse, usage_chunk
+from gateway.service import Gateway
+from gpu_worker.tokenizer import load_tokenizer
+from observability import (
+    Attr,
+    get_logger,
+    get_tracer,
+    metrics_handler,
+)
+from services import transport
+from services.config import ConfigError, GatewayConfig
+
+log = get_logger("gateway")
+
+GATEWAY = web.AppKey("gateway", Gateway)
+SERVICE_NAME = "kvledger-gateway"
+SHUTDOWN_TIMEOUT_S = 10.0  # in-flight requests are ended at shutdown; this only bounds stragglers
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; never delivered, the connection is gone
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    config: GatewayConfig, redis: aioredis.Redis | None = None, *, tracer: Tracer | None = None
+) -> web.Application:
+    """The gateway as an aiohttp application; `redis` given here stays open when it stops."""
+    if redis is None and not config.redis_url:
+        raise ConfigError("the gateway needs Redis: set --redis-url or KVLEDGER_REDIS_URL")
+    owns_redis = redis is None
+    client = transport.connect(config.redis_url) if redis is None else redis
+    tokenizer = load_tokenizer(config.model, config.model_name)
+    gw = Gateway(config, client, tokenizer, tracer or get_tracer(SERVICE_NAME))
+
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[_errors, _auth(config.api_key)],
+    )
+    app[GATEWAY] = gw
+
+    async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        await gw.start()
+        yield
+        await gw.stop()
+        if owns_redis:
+            await client.aclose()
+
+    async def on_shutdown(_: web.Application) -> None:
+        gw.begin_shutdown()
+
+    app.cleanup_ctx.append(lifetime)
+    app.on_shutdown.append(on_shutdown)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway until cancelled or SIGTERM, then shut down gracefully. Logging and
+    tracing are set up by the caller (`kvledger gateway` does both)."""
+    runner = web.AppRunner(
+        create_app(config),
+        handler_cancellation=True,  # a client that hangs up cancels its handler: abort at once
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        access_log=None,  # request_finished / request_rejected events say more
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        log.info("gateway_listening", host=config.host, port=config.port)
+        await _until_sigterm()
+    finally:
+        await runner.cleanup()
+
+
+async def _until_sigterm() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Outside the main thread no handler can be set: cancellation alone stops the gateway.
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+# --- middlewares ---------------------------------------------------------------------------------
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-style JSON error body."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        failed = exc.status >= 500
+        (log.warning if failed else log.info)(
+            "request_failed" if failed else "request_rejected", path=request.path,
+            status=exc.status, param=exc.param,
+            error_type=exc.err_type, reason=exc.message,
+        )  # fmt: skip
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_response(_from_http(exc, request))
+    except ConnectionError:  # the client left; aborting its request was done on the way out
+        log.info("client_disconnected", path=request.path)
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+    except RedisError as exc:
+        log.error("redis_unreachable", path=request.path, error=str(exc))
+        message = f"the gateway cannot reach Redis ({type(exc).__name__}); retry shortly"
+        return _error_response(ApiError(503, message, err_type="service_unavailable_error"))
+    except Exception:
+        log.exception("request_crashed", path=request.path)
+        return _error_response(
+            ApiError(500, "internal error in the gateway", err_type="server_error")
+        )
+
+
+def _auth(api_key: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if api_key and request.path.startswith("/v1/") and not _authorized(request, api_key):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
+                "the key the gateway was given in KVLEDGER_API_KEY",
+                err_type="authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return await handler(request)
+
+    return auth
+
+
+def _authorized(request: web.Request, api_key: str) -> bool:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    # Constant-time: the comparison must not reveal how much of a guess was right.
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
+
+
+def _error_response(exc: ApiError) -> web.Response:
+    body = error_body(exc.message, exc.err_type, exc.param)
+    return web.json_response(body, status=exc.status, headers=exc.headers)
+
+
+def _from_http(exc: web.HTTPException, request: web.Request) -> ApiError:
+    if exc.status == 404:
+        return ApiError(
+            404, f"no route {request.method} {request.path}", err_type="not_found_error"
+        )
+    if exc.status == 405:
+        allowed = exc.headers.get("Allow", "")
+        message = f"method {request.method} is not allowed on {request.path}; use {allowed}"
+        return ApiError(405, message, headers={"Allow": allowed})
+    if exc.status == 413:
+        limit = request.app[GATEWAY].config.max_body_bytes
+        return ApiError(413, f"the request body is larger than the limit of {limit} bytes")
+    return ApiError(exc.status, exc.reason)
+
+
+# --- generation ----------------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    """The request's SERVER span is the root of its trace; the ledger and workers join it."""
+    gw = request.app[GATEWAY]
+    attributes = {
+        "http.request.method": request.method,
+        "url.path": request.path,
+        Attr.GEN_AI_OPERATION_NAME: "chat" if kind == "chat" else "text_completion",
+    }
+    with gw.tracer.start_as_current_span(
+        f"{request.method} {request.path}", kind=SpanKind.SERVER, attributes=attributes,
+        record_exception=False, set_status_on_exception=False,
+    ) as span:  # fmt: skip
+        try:
+            response = await _run(request, gw, kind, span)
+        except ApiError as exc:
+            span.set_attribute("http.response.status_code", exc.status)
+            if exc.status >= 500:
+                span.set_status(Status(StatusCode.ERROR, exc.message))
+            raise
+        span.set_attribute("http.response.status_code", response.status)
+        return response
+
+
+async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.StreamResponse:
+    arrival = time.monotonic()
+    body = parse_json(await request.read())
+    job = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
+    async with gw.admit():
+        limits = gw.limits(await gw.wait_for_ledger())
+        job = resolve(job, limits)
+        span.set_attribute(Attr.GEN_AI_REQUEST_MODEL, limits.model_name)
+        gen = Generation(gw, job, lambda: _client_gone(request), arrival)
+        try:
+            async with gen:
+                meta = Meta(kind, gen.req_id, int(time.time()), limits.model_name)
+                if job.stream:
+                    return await _stream(request, gen, meta)
+                return await _respond(gen, meta)
+        finally:
+            span.set_attributes(gen.span_attributes())
+
+
+def _parse(gw: Gateway, kind: str, body: dict[str, Any]) -> Job:
+    if kind == "chat":
+        return parse_chat(body, gw.tokenizer)
+    return parse_completion(body, gw.tokenizer, gw.config.default_max_tokens)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _respond(gen: Generation, meta: Meta) -> web.Response:
+    text = "".join([delta.text async for delta in gen.deltas()])
+    token_ids = (
+        (gen.job.prompt_token_ids, gen.tracker.token_ids) if gen.job.return_token_ids else None
+    )
+    body = final_body(meta, text, gen.finish_reason, gen.stop_reason, gen.usage(), token_ids)
+    return web.json_response(body)
+
+
+async def _stream(request: web.Request, gen: Generation, meta: Meta) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        await _write_chunks(response, gen, meta)
+    except GenerationError as exc:  # headers are gone: the error travels as an event
+        gen.ended_by = exc
+        with contextlib.suppress(ConnectionError):
+            await response.write(sse(error_body(exc.message, exc.err_type, code=exc.status)))
+            await response.write(SSE_DONE)
+    except ConnectionError as exc:  # the client hung up mid-stream
+        gen.ended_by = exc
+    return response
+
+
+async def _write_chunks(response: web.StreamResponse, gen: Generation, meta: Meta) -> None:
+    with_ids = gen.job.return_token_ids
+    prompt_ids = gen.job.prompt_token_ids if with_ids else None
+    if meta.kind == "chat":
+        await response.write(sse(chunk_body(meta, "", role=True, prompt_token_ids=prompt_ids)))
+        prompt_ids = None
+    async for delta in gen.deltas():
+        if not (delta.text or delta.finish_reason or with_ids):
+            continue  # a token whose character is not complete yet
+        stop_reason = gen.stop_reason if delta.finish_reason else None
+        token_ids = delta.token_ids if with_ids else None
+        chunk = chunk_body(
+            meta, delta.text, delta.finish_reason, stop_reason, token_ids, prompt_ids
+        )
+        await response.write(sse(chunk))
+        prompt_ids = None
+    if gen.job.include_usage:
+        await response.write(sse(usage_chunk(meta, gen.usage())))
+    await response.write(SSE_DONE)
+
+
+# --- models, health, metrics ---------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    limits = gw.limits(await gw.ledger_status(max_age_s=0))
+    card = {
+        "id": limits.model_name,
+        "object": "model",
+        "created": int(gw.started_at),
+        "owned_by": "kvledger",
+        "max_model_len": limits.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    status = await gw.ledger_status(max_age_s=0)
+    gateway = {"gateway_id": gw.gateway_id, "in_flight": gw.in_flight}
+    if status is None:
+        body = {"status": "unavailable", "message": gw.unavailable_message(None), **gateway}
+        return web.json_response(body, status=503)
+    ledger = dataclasses.asdict(status)
+    ledger.pop("metrics", None)  # /metrics shows those
+    return web.json_response({"status": "ok", **gateway, "ledger": ledger})
+
+
+async def metrics(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    with contextlib.suppress(RedisError):  # the gateway's own metrics still render
+        await gw.ledger_status(max_age_s=0)  # refreshes the mirrored ledger snapshot
+    return await metrics_handler(gw.registry)(request)

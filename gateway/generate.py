@@ -1,0 +1,232 @@
+"""One accepted request from enqueue to its last piece of text: it goes on the request stream,
+its outputs are deduplicated, detokenized and checked for stop strings, and whenever it ends
+before the ledger finished it (stop string, timeout, disconnect, shutdown) the ledger is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from gateway.fields import ApiError
+from gateway.outputs import SHUTDOWN, TokenTracker
+from gateway.protocol import Job, sampling_params
+from gateway.responses import Usage
+from gateway.stops import StopMatcher
+from gpu_worker.tokenizer import IncrementalDetokenizer
+from observability import Attr, get_logger, inject_traceparent, usage_attributes
+from services.messages import GenerateRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from opentelemetry.util.types import AttributeValue
+
+    from gateway.service import Gateway
+
+log = get_logger("gateway.generate")
+
+DISCONNECT_POLL_S = 0.5  # how soon a vanished client is noticed without handler cancellation
+
+
+class GenerationError(ApiError):
+    """Ends an accepted request; `abort_reason` is what the ledger is told (None: it knows)."""
+
+    def __init__(self, status: int, message: str, err_type: str, abort_reason: str | None):
+        super().__init__(status, message, err_type=err_type)
+        self.abort_reason = abort_reason
+
+
+class ClientGone(ConnectionResetError):
+    pass
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    """`async with Generation(...) as gen: async for delta in gen.deltas(): ...`"""
+
+    def __init__(
+        self, gw: Gateway, job: Job, client_gone: Callable[[], bool], arrival: float
+    ) -> None:
+        self.gw = gw
+        self.job = job
+        self.client_gone = client_gone
+        self.arrival = arrival  # time.monotonic() when the HTTP request came in
+        prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
+        self.req_id = prefix + uuid.uuid4().hex
+        self.sampling = sampling_params(job, gw.tokenizer.eos_token_ids)
+        self.tracker = TokenTracker()
+        self.detokenizer = IncrementalDetokenizer(gw.tokenizer, job.prompt_token_ids)
+        self.stops = StopMatcher(job.stop)
+        self.first_token_s: float | None = None
+        self.finish_reason: str | None = None
+        self.ended_by: BaseException | None = None  # an error the handler caught and answered
+        self._enqueued = False
+        self._queue: asyncio.Queue | None = None
+
+    async def __aenter__(self) -> Generation:
+        # Register before enqueueing: the first output may come back before XADD returns.
+        self._queue = self.gw.outputs.register(self.req_id)
+        if self.gw.closing:  # the shutdown broadcast may have gone out before registration
+            self._queue.put_nowait(SHUTDOWN)
+        request = GenerateRequest(
+            req_id=self.req_id,
+            gateway_id=self.gw.gateway_id,
+            prompt_token_ids=self.job.prompt_token_ids,
+            sampling=self.sampling,
+            arrival_time=time.time(),
+            priority=self.job.priority,
+            cache_salt=self.job.cache_salt,
+            traceparent=inject_traceparent(),
+        )
+        # Set first: an XADD cut short (cancelled, or its reply lost) may still have landed.
+        self._enqueued = True
+        try:
+            await self.gw.send(request)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, None)
+            raise
+        log.info(
+            "request_enqueued", req_id=self.req_id, kind=self.job.kind,
+            prompt_tokens=len(self.job.prompt_token_ids), max_tokens=self.sampling.max_tokens,
+            stream=self.job.stream,
+        )  # fmt: skip
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.gw.outputs.unregister(self.req_id)
+        if not self._enqueued:
+            return
+        exc = exc or self.ended_by
+        if exc is not None:
+            reason = _abort_reason(exc)
+        else:  # deltas() only returns early on a stop string
+            reason = "stop_string" if self.stops.matched is not None else "gateway_error"
+        if not self.tracker.finished:
+            await self.gw.abort(self.req_id, reason)
+        self.finish_reason = self.finish_reason or (
+            "error" if reason == "gateway_error" else "abort"
+        )
+        self.gw.metrics.record_request_finished(
+            e2e_seconds=time.monotonic() - self.arrival,
+            prompt_tokens=len(self.job.prompt_token_ids),
+            generation_tokens=len(self.tracker.token_ids),
+            finished_reason=self.finish_reason,
+        )
+        log.info(
+            "request_finished", req_id=self.req_id, finish_reason=self.finish_reason,
+            completion_tokens=len(self.tracker.token_ids), ttft_s=self.first_token_s,
+            e2e_s=round(time.monotonic() - self.arrival, 6),
+        )  # fmt: skip
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Text as it becomes safe to show; the last delta carries the finish reason."""
+        while True:
+            new_ids = self.tracker.accept(await self._next_output())
+            if new_ids and self.first_token_s is None:
+                self.first_token_s = time.monotonic() - self.arrival
+                self.gw.metrics.record_first_token(self.first_token_s)
+            final = self.tracker.final
+            if final is not None and final.finish_reason == "error":
+                self.finish_reason = "error"
+                detail = final.error or "no detail given"
+                raise GenerationError(
+                    500, f"the ledger failed the request: {detail}", "server_error", None
+                )
+            check = len(self.tracker.token_ids) > self.job.min_tokens
+            text = self.stops.push(self._text(new_ids), final=final is not None, check=check)
+            if self.stops.matched is not None:
+                self.finish_reason = "stop"
+                yield Delta(text, new_ids, "stop")
+                return
+            if final is not None:
+                self.finish_reason = final.finish_reason or "stop"
+                yield Delta(text, new_ids, self.finish_reason)
+                return
+            if text or new_ids:
+                yield Delta(text, new_ids)
+
+    def _text(self, new_ids: list[int]) -> str:
+        final = self.tracker.final
+        stop_id = final.stop_token_id if final is not None else None
+        # As vLLM: the token that stopped the request counts as output but shows no text.
+        ids = (
+            new_ids[:-1] if new_ids and stop_id is not None and new_ids[-1] == stop_id else new_ids
+        )
+        text = self.detokenizer.push(ids) if ids else ""
+        return text + self.detokenizer.flush() if final is not None else text
+
+    async def _next_output(self) -> RequestOutput:
+        assert self._queue is not None, "use Generation as an async context manager"
+        loop = asyncio.get_running_loop()
+        timeout_s = self.gw.config.request_timeout_s
+        deadline = loop.time() + timeout_s
+        while (remaining := deadline - loop.time()) > 0:
+            if self.client_gone():
+                raise ClientGone("the client disconnected")
+            try:
+                item = await asyncio.wait_for(self._queue.get(), min(remaining, DISCONNECT_POLL_S))
+            except TimeoutError:
+                continue
+            if item is SHUTDOWN:
+                raise GenerationError(
+                    503, "the gateway is shutting down; the request was aborted",
+                    "service_unavailable_error", "gateway_shutdown",
+                )  # fmt: skip
+            return item
+        raise GenerationError(
+            504, f"no output from the ledger for {timeout_s:g}s; the request was aborted",
+            "timeout_error", "timeout",
+        )  # fmt: skip
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's stop_reason: the stop string or stop token id (None for EOS and others)."""
+        if self.stops.matched is not None:
+            return self.stops.matched
+        final = self.tracker.final
+        if final is None or final.stop_token_id == self.sampling.eos_token_id:
+            return None
+        return final.stop_token_id
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.job.prompt_token_ids),
+            completion_tokens=len(self.tracker.token_ids),
+            cached_tokens=self.tracker.num_cached_tokens or 0,
+        )
+
+    def span_attributes(self) -> dict[str, AttributeValue]:
+        usage = self.usage()
+        attributes = usage_attributes(
+            input_tokens=usage.prompt_tokens,
+            output_tokens=usage.completion_tokens,
+            cache_read_input_tokens=usage.cached_tokens,
+            time_to_first_token_s=self.first_token_s,
+        )
+        attributes[Attr.REQUEST_ID] = self.req_id
+        if self.finish_reason is not None:
+            attributes[Attr.GEN_AI_RESPONSE_FINISH_REASONS] = [self.finish_reason]
+        return attributes
+
+
+def _abort_reason(exc: BaseException) -> str:
+    if isinstance(exc, GenerationError):
+        return exc.abort_reason or "ledger_error"
+    if isinstance(exc, asyncio.CancelledError | ConnectionError):
+        return "client_disconnected"
+    return "gateway_error"

@@ -1,0 +1,107 @@
+"""OpenAI response bodies, pure: whole completions, server-sent-event chunks, usage and errors,
+for both /v1/completions ("completion") and /v1/chat/completions ("chat").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """What every body of one response repeats."""
+
+    kind: str  # "completion" or "chat"
+    id: str
+    created: int
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def error_body(
+    message: str, err_type: str, param: str | None = None, code: int | str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def final_body(
+    meta: Meta,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: str | int | None,
+    usage: Usage,
+    token_ids: tuple[list[int], list[int]] | None = None,
+) -> dict[str, Any]:
+    """A whole (non-streaming) response; `token_ids` is (prompt ids, generated ids) when asked."""
+    if meta.kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+    else:
+        choice = {"index": 0, "text": text}
+    choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
+    if token_ids is not None:
+        choice["prompt_token_ids"], choice["token_ids"] = token_ids
+    return _envelope(meta, streaming=False) | {"choices": [choice], "usage": usage.body()}
+
+
+def chunk_body(
+    meta: Meta,
+    text: str,
+    finish_reason: str | None = None,
+    stop_reason: str | int | None = None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One streamed piece; chat's first chunk carries the role (`role=True`)."""
+    if meta.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
+        if text and not role:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta}
+    else:
+        choice = {"index": 0, "text": text}
+    choice.update(logprobs=None, finish_reason=finish_reason)
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return _envelope(meta, streaming=True) | {"choices": [choice]}
+
+
+def usage_chunk(meta: Meta, usage: Usage) -> dict[str, Any]:
+    """The last chunk before [DONE] when stream_options.include_usage is set."""
+    return _envelope(meta, streaming=True) | {"choices": [], "usage": usage.body()}
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    return (
+        b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    )
+
+
+def _envelope(meta: Meta, streaming: bool) -> dict[str, Any]:
+    if meta.kind == "chat":
+        obj = "chat.completion.chunk" if streaming else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model}

@@ -1,0 +1,196 @@
+"""A stand-in for the ledger service in gateway tests: it reads the real requests stream, keeps a
+real `LedgerStatus` key, and answers each GenerateRequest with real RequestOutputs as a `Script`
+says (tokens, chunking, finish, errors, delays, repeats). A double for the other service only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from gpu_worker.tokenizer import ByteTokenizer
+from services import transport, wire
+from services.config import StreamNames
+from services.messages import AbortRequest, GenerateRequest, LedgerStatus, RequestOutput
+
+EOS = ByteTokenizer.EOS_ID
+TEXT = "Hello from the fake ledger! "
+STATUS_TTL_MS = 2000
+
+
+@dataclass
+class Script:
+    """How the fake ledger answers every request."""
+
+    text: str = TEXT  # generated as bytes (the byte tokenizer's ids), cycled up to max_tokens
+    eos_after: int | None = None  # emit EOS after this many text tokens: finish "stop"
+    chunk: int = 1  # tokens per RequestOutput
+    delay_s: float = 0.0  # before each output
+    error: str | None = None  # finish "error" with this message after `error_after` tokens
+    error_after: int = 0
+    duplicate: bool = False  # every output is sent twice
+    rerun_after: int | None = None  # after this many tokens start over at position 0 (a restart)
+    swap_pairs: bool = False  # outputs 1, 0, 3, 2, ...: each pair arrives with a gap first
+    silent: bool = False  # never answer
+    cached_tokens: int = 0
+
+
+def generated_ids(req: GenerateRequest, script: Script) -> tuple[list[int], str, int | None]:
+    """The whole output of a request: token ids, finish reason, stop token id."""
+    text = script.text.encode()
+    limit = req.sampling.max_tokens
+    if script.eos_after is not None and script.eos_after < limit:
+        ids = [text[i % len(text)] for i in range(script.eos_after)]
+        return [*ids, EOS], "stop", EOS
+    return [text[i % len(text)] for i in range(limit)], "length", None
+
+
+def outputs_for(req: GenerateRequest, script: Script) -> list[RequestOutput]:
+    """The RequestOutputs the fake ledger appends for `req`, in order."""
+    if script.error is not None:
+        ids = generated_ids(req, script)[0][: script.error_after]
+        outs = _chunked(req, ids, script, finish=None)
+        return [*outs, _output(req, [], len(ids), script, "error", error=script.error)]
+    ids, reason, stop_id = generated_ids(req, script)
+    outs = _chunked(req, ids, script, finish=(reason, stop_id))
+    if script.rerun_after is not None:
+        cut = [o for o in outs if o.position < script.rerun_after]
+        outs = [*cut, *outs]
+    if script.swap_pairs:
+        outs = [o for pair in zip(outs[1::2], outs[0::2], strict=False) for o in pair] + (
+            [outs[-1]] if len(outs) % 2 else []
+        )
+    if script.duplicate:
+        outs = [o for out in outs for o in (out, out)]
+    return outs
+
+
+def _chunked(
+    req: GenerateRequest, ids: list[int], script: Script, finish: tuple[str, int | None] | None
+) -> list[RequestOutput]:
+    starts = range(0, len(ids), script.chunk)
+    outs = [_output(req, ids[i : i + script.chunk], i, script) for i in starts]
+    if finish is not None and outs:
+        outs[-1].finished, outs[-1].finish_reason = True, finish[0]
+        outs[-1].stop_token_id = finish[1]
+    return outs
+
+
+def _output(
+    req: GenerateRequest, ids: list[int], position: int, script: Script,
+    finish_reason: str | None = None, error: str | None = None,
+) -> RequestOutput:  # fmt: skip
+    return RequestOutput(
+        req_id=req.req_id,
+        new_token_ids=ids,
+        position=position,
+        finished=finish_reason is not None,
+        finish_reason=finish_reason,
+        num_prompt_tokens=len(req.prompt_token_ids),
+        num_cached_tokens=script.cached_tokens,
+        error=error,
+    )
+
+
+@dataclass
+class FakeLedger:
+    redis_url: str
+    prefix: str
+    script: Script = field(default_factory=Script)
+    model_name: str = "fake-model"
+    max_model_len: int = 64
+    vocab_size: int = 258
+    num_workers: int = 1
+    metrics: dict[str, float] | None = None
+    requests: list[GenerateRequest] = field(default_factory=list)
+    aborts: list[AbortRequest] = field(default_factory=list)
+
+    async def __aenter__(self) -> FakeLedger:
+        self.streams = StreamNames(self.prefix)
+        self.redis = transport.connect(self.redis_url)
+        self._answers: dict[str, asyncio.Task] = {}
+        await self._write_status()
+        self._tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._serve())]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in [*self._tasks, *self._answers.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._answers.values(), return_exceptions=True)
+        await self.redis.delete(self.streams.ledger_status)
+        await self.redis.aclose()
+
+    def status(self) -> LedgerStatus:
+        now = time.time()
+        return LedgerStatus(
+            epoch="fake-epoch", started_at=now, updated_at=now, model_name=self.model_name,
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=16,
+            num_gpu_blocks=100, capacity_line="KV cache size: 1600 tokens", hash_algo="sha256",
+            num_workers=self.num_workers, num_running=len(self._answers), metrics=self.metrics,
+        )  # fmt: skip
+
+    async def _write_status(self) -> None:
+        await self.redis.set(
+            self.streams.ledger_status, wire.encode(self.status()), px=STATUS_TTL_MS
+        )
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            await self._write_status()
+
+    async def _serve(self) -> None:
+        last_id: bytes | str = "0-0"
+        while True:
+            for entry_id, fields in await transport.read_from(
+                self.redis, self.streams.requests, last_id, block_ms=200
+            ):
+                last_id = entry_id
+                self._handle(wire.decode(fields[transport.FIELD]))
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, AbortRequest):
+            self.aborts.append(msg)
+            task = self._answers.pop(msg.req_id, None)
+            if task is not None:
+                task.cancel()
+        elif isinstance(msg, GenerateRequest):
+            self.requests.append(msg)
+            if not self.script.silent:
+                self._answers[msg.req_id] = asyncio.create_task(self._answer(msg))
+
+    async def _answer(self, req: GenerateRequest) -> None:
+        stream = self.streams.outputs(req.gateway_id)
+        for out in outputs_for(req, self.script):
+            if self.script.delay_s:
+                await asyncio.sleep(self.script.delay_s)
+            await transport.append(self.redis, stream, out)
+        self._answers.pop(req.req_id, None)
+
+    async def wait_for_requests(
+        self, count: int = 1, timeout: float = 5.0
+    ) -> list[GenerateRequest]:
+        await _until(lambda: len(self.requests) >= count, timeout, f"{count} request(s)")
+        return self.requests
+
+    async def wait_for_abort(self, req_id: str, timeout: float = 5.0) -> AbortRequest:
+        await _until(lambda: any(a.req_id == req_id for a in self.aborts), timeout, "an abort")
+        return next(a for a in self.aborts if a.req_id == req_id)
+
+
+async def _until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the fake ledger saw no {what} within {timeout}s")
+        await asyncio.sleep(0.01)
+
+
+async def request_stream(redis: aioredis.Redis, prefix: str) -> list[object]:
+    """Every message on the real requests stream, decoded, oldest first."""
+    entries = await redis.xrange(StreamNames(prefix).requests)
+    return [wire.decode(fields[transport.FIELD]) for _, fields in entries]

@@ -1,0 +1,247 @@
+"""How accepted requests end when things go wrong (timeouts, disconnects, ledger errors,
+shutdown), each telling the ledger with an AbortRequest, plus /v1/models, /health, /metrics,
+the request span and serve()."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web import AppRunner, TCPSite
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from gateway import create_app, serve
+from observability import Attr, LedgerSnapshot
+from services import transport
+from services.config import StreamNames
+from services.messages import AbortRequest, RequestOutput
+from services.redis_server import free_port
+from tests.gateway.fake_ledger import TEXT, Script, request_stream
+from tests.gateway.helpers import GATEWAY_ID, assert_error, read_sse
+
+
+async def test_silent_ledger_times_out_with_504_and_an_abort(start_gateway, start_ledger):
+    ledger = await start_ledger(Script(silent=True))
+    client = await start_gateway(request_timeout_s=0.3)
+    resp = await client.post("/v1/completions", json={"prompt": "x"})
+    assert resp.status == 504
+    body = await resp.json()
+    assert_error(body, None, "no output from the ledger for 0.3s")
+    assert body["error"]["type"] == "timeout_error"
+    (req,) = ledger.requests
+    assert (await ledger.wait_for_abort(req.req_id)).reason == "timeout"
+
+
+async def test_streamed_timeout_ends_with_an_error_event_and_done(start_gateway, start_ledger):
+    ledger = await start_ledger(Script(silent=True))
+    client = await start_gateway(request_timeout_s=0.3)
+    resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert resp.status == 200  # the headers went out before the timeout
+    error, done = await read_sse(resp)
+    assert error["error"]["type"] == "timeout_error" and error["error"]["code"] == 504
+    assert done == "[DONE]"
+    await ledger.wait_for_abort(ledger.requests[0].req_id)
+
+
+async def test_ledger_error_gives_500_with_its_message(start_gateway, start_ledger):
+    ledger = await start_ledger(Script(error="worker lost", error_after=2))
+    client = await start_gateway()
+    resp = await client.post("/v1/completions", json={"prompt": "x"})
+    assert resp.status == 500
+    assert_error(await resp.json(), None, "the ledger failed the request: worker lost")
+    resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    *chunks, error, done = await read_sse(resp)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "He"
+    assert error["error"]["message"] == "the ledger failed the request: worker lost"
+    assert done == "[DONE]"
+    assert ledger.aborts == []  # the ledger ended those requests itself
+
+
+async def test_client_disconnect_while_streaming_aborts_the_request(start_gateway, start_ledger):
+    ledger = await start_ledger(Script(delay_s=0.05))
+    client = await start_gateway()
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            client.make_url("/v1/completions"),
+            json={"prompt": "x", "max_tokens": 50, "stream": True},
+        )
+        assert (await resp.content.readline()).startswith(b"data: ")
+        resp.close()  # hang up mid-stream
+    (req,) = ledger.requests
+    assert (await ledger.wait_for_abort(req.req_id)).reason == "client_disconnected"
+
+
+async def test_client_disconnect_is_noticed_without_handler_cancellation(make_config, start_ledger):
+    # A plain AppRunner (as web.run_app) keeps handlers running after a hang-up: the gateway
+    # must still notice, through its poll of the connection.
+    ledger = await start_ledger(Script(delay_s=0.1))
+    runner = AppRunner(create_app(make_config()), handler_cancellation=False)
+    await runner.setup()
+    port = free_port()
+    await TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            post = session.post(
+                f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": 60}
+            )
+            task = asyncio.ensure_future(post)
+            (req,) = await ledger.wait_for_requests(1)
+            task.cancel()
+        abort = await ledger.wait_for_abort(req.req_id, timeout=3.0)
+        assert abort.reason == "client_disconnected"
+    finally:
+        await runner.cleanup()
+
+
+async def test_shutdown_ends_in_flight_requests_and_aborts_them(
+    make_config, start_ledger, redis, prefix
+):
+    ledger = await start_ledger(Script(delay_s=0.05))
+    server = TestServer(create_app(make_config()))
+    await server.start_server()
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(
+            server.make_url("/v1/completions"),
+            json={"prompt": "x", "max_tokens": 60, "stream": True},
+        )
+        assert (await resp.content.readline()).startswith(b"data: ")
+        closing = asyncio.ensure_future(server.close())
+        rest = (await resp.content.read()).decode()
+        await closing
+    assert '"type":"service_unavailable_error"' in rest and rest.endswith("data: [DONE]\n\n")
+    (req,) = ledger.requests
+    assert AbortRequest(req.req_id, "gateway_shutdown") in await request_stream(redis, prefix)
+
+
+async def test_outputs_for_unknown_requests_and_garbage_are_ignored(
+    start_gateway, start_ledger, redis, prefix
+):
+    await start_ledger()
+    client = await start_gateway()
+    streams = StreamNames(prefix)
+    outputs = streams.outputs(GATEWAY_ID)
+    await transport.append(redis, outputs, RequestOutput("cmpl-gone", [1, 2], finished=True))
+    await redis.xadd(outputs, {b"m": b"not msgpack at all"})
+    resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    assert (await resp.json())["choices"][0]["text"] == TEXT[:4]
+    dead = await redis.xrange(streams.dead_letters)
+    assert len(dead) == 1 and dead[0][1][b"source_stream"] == outputs.encode()
+    metrics = await (await client.get("/metrics")).text()
+    assert f'kvledger_dead_letters_total{{stream="{outputs}"}} 1.0' in metrics
+
+
+async def test_models_serves_the_ledgers_model_name(start_gateway, start_ledger):
+    client = await start_gateway()
+    card = (await (await client.get("/v1/models")).json())["data"][0]
+    assert card["id"] == "kvledger-tiny-llama"  # no ledger yet: the tokenizer's name
+    await start_ledger(model_name="served-name", max_model_len=99)
+    body = await (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert (card["id"], card["object"], card["max_model_len"]) == ("served-name", "model", 99)
+
+
+async def test_health_reports_the_ledger_or_503(start_gateway, start_ledger):
+    client = await start_gateway()
+    resp = await client.get("/health")
+    assert resp.status == 503
+    body = await resp.json()
+    assert body["status"] == "unavailable" and "no ledger is running" in body["message"]
+    await start_ledger()
+    resp = await client.get("/health")
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["status"] == "ok" and body["gateway_id"] == GATEWAY_ID
+    assert body["ledger"]["model_name"] == "fake-model"
+    assert body["ledger"]["capacity_line"] == "KV cache size: 1600 tokens"
+
+
+async def test_an_unreadable_status_key_counts_as_no_ledger(start_gateway, redis, prefix):
+    await redis.set(StreamNames(prefix).ledger_status, b"\x93garbage", px=5000)
+    client = await start_gateway()
+    assert (await client.get("/health")).status == 503
+    resp = await client.post("/v1/completions", json={"prompt": "x"})
+    assert resp.status == 503
+
+
+async def test_unreachable_redis_stops_start_up_with_a_clear_error(make_config):
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    server = TestServer(create_app(make_config(redis_url=dead)))
+    with pytest.raises(RuntimeError, match="the gateway cannot reach Redis"):
+        await server.start_server()
+    await server.close()
+
+
+async def test_metrics_show_requests_and_the_mirrored_ledger(start_gateway, start_ledger):
+    snapshot = LedgerSnapshot(kv_cache_usage=0.25, num_preemptions=3, prefix_cache_hits=48)
+    await start_ledger(metrics=snapshot.to_dict())
+    client = await start_gateway()
+    await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stop": "e"})
+    resp = await client.get("/metrics")
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    text = await resp.text()
+    labels = 'engine="0",model_name="kvledger-tiny-llama"'
+    assert f"vllm:time_to_first_token_seconds_count{{{labels}}} 2.0" in text
+    assert f"vllm:e2e_request_latency_seconds_count{{{labels}}} 2.0" in text
+    assert f"vllm:generation_tokens_total{{{labels}}} 5.0" in text
+    for reason in ("length", "stop"):
+        success = f'engine="0",finished_reason="{reason}",model_name="kvledger-tiny-llama"'
+        assert f"vllm:request_success_total{{{success}}} 1.0" in text
+    assert f"vllm:kv_cache_usage_perc{{{labels}}} 0.25" in text
+    assert f"vllm:num_preemptions_total{{{labels}}} 3.0" in text
+    assert f"vllm:prefix_cache_hits_total{{{labels}}} 48.0" in text
+
+
+async def test_request_span_is_a_root_server_span_with_usage(make_config, start_ledger):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    ledger = await start_ledger(Script(cached_tokens=2))
+    app = create_app(make_config(), tracer=provider.get_tracer("test"))
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3})
+        assert resp.status == 200
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "POST /v1/completions" and span.kind == SpanKind.SERVER
+    assert span.parent is None
+    a = span.attributes
+    assert (a[Attr.GEN_AI_INPUT_TOKENS], a[Attr.GEN_AI_OUTPUT_TOKENS]) == (4, 3)
+    assert a[Attr.GEN_AI_CACHE_READ_INPUT_TOKENS] == 2
+    assert a[Attr.TIME_TO_FIRST_TOKEN] > 0
+    assert a[Attr.REQUEST_ID] == ledger.requests[0].req_id
+    assert a["http.response.status_code"] == 200
+    assert tuple(a[Attr.GEN_AI_RESPONSE_FINISH_REASONS]) == ("length",)
+    trace_id = f"{span.context.trace_id:032x}"
+    span_id = f"{span.context.span_id:016x}"
+    assert ledger.requests[0].traceparent.startswith(f"00-{trace_id}-{span_id}-")
+
+
+async def test_serve_runs_until_cancelled(make_config, start_ledger):
+    await start_ledger()
+    port = free_port()
+    task = asyncio.create_task(serve(make_config(port=port)))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/health") as resp:
+                    assert resp.status == 200
+                    break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("serve() never answered /health")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.done()
+    async with aiohttp.ClientSession() as session:
+        try:
+            await session.get(f"http://127.0.0.1:{port}/health")
+            raise AssertionError("the gateway still listens after serve() was cancelled")
+        except aiohttp.ClientConnectionError:
+            pass
