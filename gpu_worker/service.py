@@ -23,7 +23,7 @@ from observability import Attr, SpanName, get_logger, links_from_traceparents
 from services import registry, transport
 from services.config import WorkerConfig
 from services.messages import StepMessage, StepResult, WorkerHello, WorkerShutdown
-from services.wire import WireError
+from services.wire import WireError, encode
 
 log = get_logger("kvledger.worker")
 
@@ -123,8 +123,16 @@ class WorkerService:
                     await self.reader.ack([entry])
                     continue
                 result = await self._execute(msg)
-                await transport.append(self.r, self.cfg.streams.results, result, maxlen=10_000)
-                await self.reader.ack([entry])
+                # The result and the ack in one round trip: the ledger is waiting on it.
+                async with self.r.pipeline(transaction=False) as pipe:
+                    pipe.xadd(
+                        self.cfg.streams.results,
+                        {transport.FIELD: encode(result)},
+                        maxlen=10_000,
+                        approximate=True,
+                    )
+                    pipe.xack(self.steps_stream, self.reader.group, entry.entry_id)
+                    await pipe.execute()
 
     async def _execute(self, step: StepMessage) -> StepResult:
         started = time.perf_counter()

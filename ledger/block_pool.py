@@ -177,6 +177,7 @@ class BlockPool:
         request_id: str | None = None,
         event_extra_keys: list[tuple | None] | None = None,
         lora_name: str | None = None,
+        lora_id: int | None = None,
     ) -> None:
         """Give blocks[num_cached_blocks:num_full_blocks] their hashes and make them findable.
 
@@ -208,6 +209,7 @@ class BlockPool:
                         token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
                     ),
                     block_size=block_size,
+                    lora_id=lora_id,
                     lora_name=lora_name,
                     extra_keys=event_extra_keys,
                     group_idx=0,

@@ -17,6 +17,8 @@ from ledger.events import KVCacheEvent
 from ledger.hashing import block_extra_keys, to_event_extra_keys
 from ledger.request import Request, RequestStatus
 
+_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -139,31 +141,33 @@ class KVCacheManager:
         request_id = request.request_id
         held = self.req_to_blocks.get(request_id)
         num_held = len(held) if held is not None else 0
-        num_computed = min(
-            request.num_computed_tokens + num_new_computed_tokens, self.max_model_len
-        )
+        block_size, max_model_len = self.block_size, self.max_model_len
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if num_computed > max_model_len:
+            num_computed = max_model_len
         watermark = 0
-        if has_scheduled_reqs and request.status in (
-            RequestStatus.WAITING,
-            RequestStatus.PREEMPTED,
-        ):
+        if has_scheduled_reqs and self.watermark_blocks and request.status in _ADMITTING:
             watermark = self.watermark_blocks
-        num_free = self.block_pool.get_num_free_blocks()
-        # Free hit blocks leave the free queue when touched, so they count against capacity.
-        num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        num_hits = len(new_computed_blocks)
+        num_free = self.block_pool.free_block_queue.num_free_blocks
+        if new_computed_blocks:
+            # Free hit blocks leave the free queue when touched, so they count against capacity.
+            num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+            num_hits = len(new_computed_blocks)
+        else:
+            num_evictable_hits = num_hits = 0
 
         if full_sequence_must_fit:
             # The admission gate: the whole sequence must fit, not only this chunk.
-            full = cdiv(min(request.num_tokens, self.max_model_len), self.block_size)
+            full = cdiv(min(request.num_tokens, max_model_len), block_size)
             if max(full - num_held - num_hits, 0) + num_evictable_hits + watermark > num_free:
                 return None
 
-        num_tokens_need_slot = min(
-            num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
-        num_required = cdiv(num_tokens_need_slot, self.block_size)
-        num_new_blocks = max(num_required - num_held - num_hits, 0)
+        num_tokens_need_slot = num_computed + num_new_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > max_model_len:
+            num_tokens_need_slot = max_model_len
+        num_new_blocks = -(-num_tokens_need_slot // block_size) - num_held - num_hits
+        if num_new_blocks < 0:
+            num_new_blocks = 0
         if num_new_blocks + num_evictable_hits + watermark > num_free:
             return None
 
@@ -174,9 +178,17 @@ class KVCacheManager:
             self.block_pool.touch(new_computed_blocks)
             held.extend(new_computed_blocks)
             self.num_cached_block[request_id] = len(held)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-        held.extend(new_blocks)
-        self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        if num_new_blocks:
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            held.extend(new_blocks)
+        else:
+            new_blocks = []
+        num_tokens = num_computed + num_new_tokens
+        if num_tokens > len(request.all_token_ids):
+            num_tokens = len(request.all_token_ids)
+        # Most decode steps fill no block: skip the call when nothing can become cacheable.
+        if num_tokens // block_size > self.num_cached_block.get(request_id, 0):
+            self.cache_blocks(request, num_tokens)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -205,6 +217,7 @@ class KVCacheManager:
             request_id,
             event_extra_keys=extra,
             lora_name=request.lora[0] if request.lora else None,
+            lora_id=request.lora_id,
         )
         self.num_cached_block[request_id] = num_full
 

@@ -51,11 +51,11 @@ class Request:
         *,
         eos_token_id: int | None = None,
         stop_token_ids: Sequence[int] = (),
-        min_tokens: int = 0,
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
+        lora_id: int | None = None,
         block_hasher: BlockHasher | None = None,
         block_size: int = 16,
         payload: Any = None,
@@ -69,11 +69,11 @@ class Request:
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.min_tokens = min_tokens
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
-        self.lora = lora
+        self.lora = lora  # (name, path): what the block hashes carry
+        self.lora_id = lora_id  # the adapter's integer id: what BlockStored.lora_id carries
         self.payload = payload
 
         self.status = RequestStatus.WAITING

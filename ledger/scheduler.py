@@ -217,6 +217,12 @@ class Scheduler:
         out = SchedulerOutput(step_id=self.step_id, finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         token_budget = self.config.max_num_batched_tokens
+        # Capping one request's prefill only matters when another request could use the budget.
+        threshold = (
+            self.config.long_prefill_token_threshold
+            if len(self.running) + len(self.waiting) > 1
+            else 0
+        )
         new_blocks_of: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
 
@@ -225,7 +231,7 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = self._num_new_tokens(
-                request, request.num_computed_tokens, token_budget
+                request, request.num_computed_tokens, token_budget, threshold
             )
             if num_new_tokens == 0:
                 index += 1
@@ -267,7 +273,7 @@ class Scheduler:
             num_new_tokens = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break
-            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget)
+            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget, threshold)
             watermark_applied = bool(self.running) and self.kv_cache_manager.watermark_blocks > 0
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request,
@@ -328,9 +334,10 @@ class Scheduler:
             self.requests[request_id].num_computed_tokens += num_tokens
         return out
 
-    def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
+    def _num_new_tokens(
+        self, request: Request, num_computed: int, token_budget: int, threshold: int
+    ) -> int:
         num_new = request.num_tokens - num_computed
-        threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new:
             num_new = threshold
         # Leave room for the token this step samples.
@@ -385,15 +392,16 @@ class Scheduler:
         return updates
 
     def _check_stop(self, request: Request) -> bool:
+        # vLLM's order: EOS and stop tokens first. min_tokens is the sampler's job (the worker
+        # masks EOS and stop tokens until then), so the ledger never second-guesses a token.
         last = request.all_token_ids[-1]
-        if request.num_output_tokens >= request.min_tokens:
-            if request.eos_token_id is not None and last == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in request.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
+        if request.eos_token_id is not None and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
         if (
             request.num_tokens >= self.config.max_model_len
             or request.num_output_tokens >= request.max_tokens

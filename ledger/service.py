@@ -69,6 +69,7 @@ class LedgerService:
         self.generation = 0  # bumped whenever the workers' KV data is lost
         self.started_at = time.time()
         self.stopping = asyncio.Event()
+        self.crashed: BaseException | None = None
         self.ready = asyncio.Event()
         self.intake: asyncio.Queue[transport.Entry] = asyncio.Queue()
         self.intake_event = asyncio.Event()
@@ -77,8 +78,9 @@ class LedgerService:
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
         self.tracked: dict[str, Tracked] = {}
+        # The last step's results, sent to the gateways while the workers run the next step.
+        self.unsent: list[RequestUpdate] = []
         self.requests_reader = transport.GroupReader(r, [self.streams.requests], "ledger", CONSUMER)
-        self.results_reader = transport.GroupReader(r, [self.streams.results], "ledger", CONSUMER)
         self.scheduler: Scheduler | None = None
         self.manager: KVCacheManager | None = None
         self.hasher: BlockHasher | None = None
@@ -100,9 +102,9 @@ class LedgerService:
 
     async def run(self) -> None:
         await self.requests_reader.ensure_groups("0")
-        # Results from before this start belong to a previous epoch: skip them.
+        # Results from before this start belong to a previous epoch: skip them. Results need
+        # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
         await self.r.delete(self.streams.results)
-        await self.results_reader.ensure_groups("$")
         hellos = await self._wait_for_workers()
         self._start_engine(hellos)
         await self._new_generation("ledger start")
@@ -111,15 +113,29 @@ class LedgerService:
             asyncio.create_task(self._results_loop(), name="results"),
             asyncio.create_task(self._status_loop(), name="status"),
         ]
+        for task in tasks:
+            task.add_done_callback(self._background_done)
         self.ready.set()
         try:
             await self._engine_loop()
+            if self.crashed is not None:
+                raise self.crashed
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._write_snapshot()
             await self.r.delete(self.streams.ledger_status)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        # A reader that dies would leave the engine waiting forever: stop loudly instead, so
+        # that the process exits and its supervisor restarts it.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_task_crashed", task=task.get_name(), error=repr(task.exception()))
+            self.crashed = task.exception()
+            self.stopping.set()
+            self.result_event.set()
+            self.intake_event.set()
 
     async def _wait_for_workers(self) -> list[WorkerHello]:
         announced = 0.0
@@ -212,33 +228,33 @@ class LedgerService:
         while not self.stopping.is_set():
             await self._drain_intake()
             if self.membership_changed:
+                await self._flush_outputs()
                 await self._workers_changed("worker membership changed")
-            if not scheduler.has_unfinished_requests():
-                await self._wait_for_intake(0.5)
-                continue
-            if not self.workers:
-                await asyncio.sleep(0.2)
+            if not scheduler.has_unfinished_requests() or not self.workers:
+                await self._flush_outputs()
+                await self._wait_for_intake(0.5 if self.workers else 0.2)
                 continue
             out = scheduler.schedule()
             self.telemetry.on_schedule(out, self.manager)
             await self._publish_events(self.manager.take_events())
             if out.is_empty:
+                await self._flush_outputs()
                 await self._wait_for_intake(0.05)
                 continue
             started = time.monotonic()
             await transport.append(
                 self.r, self.streams.steps(self.cfg.group), self._step_message(out), maxlen=10_000
             )
+            await self._flush_outputs()  # the previous step's tokens, while the workers compute
             sampled = await self._await_results(out)
             if sampled is None:
                 await self._workers_changed("a step failed on a worker")
                 continue
-            updates = scheduler.update_from_output(out, sampled)
-            await self._send_outputs(updates)
-            await self._publish_events(self.manager.take_events())
+            self.unsent = scheduler.update_from_output(out, sampled)
             self.telemetry.update_metrics(scheduler, self.manager)
             if self.metrics is not None:
                 self.metrics.record_step(time.monotonic() - started)
+        await self._flush_outputs()
 
     async def _wait_for_intake(self, timeout: float) -> None:
         self.intake_event.clear()
@@ -354,7 +370,6 @@ class LedgerService:
                 s.max_tokens,
                 eos_token_id=s.eos_token_id,
                 stop_token_ids=s.stop_token_ids or (),
-                min_tokens=s.min_tokens,
                 priority=msg.priority,
                 arrival_time=msg.arrival_time,
                 cache_salt=msg.cache_salt,
@@ -423,7 +438,9 @@ class LedgerService:
 
     # ------------------------------------------------------------------ outputs
 
-    async def _send_outputs(self, updates: list[RequestUpdate]) -> None:
+    async def _flush_outputs(self) -> None:
+        """Stream the last step's tokens to their gateways (held back to overlap the next step)."""
+        updates, self.unsent = self.unsent, []
         by_gateway: dict[str, list[RequestOutput]] = {}
         finished = []
         for update in updates:
@@ -464,6 +481,7 @@ class LedgerService:
         if tracked is None:
             return
         if final is not None:
+            await self._flush_outputs()  # a final output must not overtake tokens held back
             await self._send(tracked.msg.gateway_id, final)
         await self.requests_reader.ack([tracked.entry])
 
@@ -472,10 +490,8 @@ class LedgerService:
 
     async def _dead_letter(self, entry: transport.Entry, error: str) -> None:
         await transport.dead_letter(self.r, self.streams.dead_letters, entry, error)
-        reader = (
-            self.requests_reader if entry.stream == self.streams.requests else self.results_reader
-        )
-        await reader.ack([entry])
+        if entry.stream == self.streams.requests:  # results are read without a group: no ack
+            await self.requests_reader.ack([entry])
         if self.metrics is not None:
             self.metrics.record_dead_letter(entry.stream)
 
@@ -531,14 +547,19 @@ class LedgerService:
                 self.intake_event.set()
 
     async def _results_loop(self) -> None:
+        last_id: bytes | str = "0-0"
         while True:
             try:
-                entries = await self.results_reader.read(count=64, block_ms=1000)
+                items = await transport.read_from(
+                    self.r, self.streams.results, last_id, count=64, block_ms=1000
+                )
             except aioredis.ConnectionError as exc:
                 log.warning("redis_unavailable", loop="results", error=str(exc))
                 await asyncio.sleep(1)
                 continue
-            for entry in entries:
+            for entry_id, fields in items:
+                last_id = entry_id
+                entry = transport.Entry(self.streams.results, entry_id, fields)
                 try:
                     result = transport.decode_entry(entry, StepResult)
                 except WireError as exc:
@@ -547,7 +568,6 @@ class LedgerService:
                 if result.epoch == self.epoch:
                     self.results.setdefault(result.step_id, {})[result.worker_id] = result
                     self.result_event.set()
-                await self.results_reader.ack([entry])
 
     async def _status_loop(self) -> None:
         while True:

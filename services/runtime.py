@@ -45,7 +45,7 @@ def run_service(
             await task
             return 0
         except asyncio.CancelledError:
-            log.info("service_stopped", service=service)
+            log.info("service_stopped")
             return 0
         finally:
             await r.aclose()
@@ -53,7 +53,7 @@ def run_service(
     try:
         return asyncio.run(runner())
     except Exception as exc:  # the last word a service says: one clear line, then the traceback
-        log.exception("service_crashed", service=service, error=str(exc))
+        log.exception("service_crashed", error=str(exc))
         return 1
     finally:
         shutdown_tracing()

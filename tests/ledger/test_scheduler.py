@@ -224,7 +224,7 @@ def test_watermark_keeps_blocks_free_for_running_requests():
     ("kwargs", "tokens", "reason", "num_outputs"),
     [
         ({"eos_token_id": 9}, [5, 9], "stop", 2),
-        ({"eos_token_id": 9, "min_tokens": 3}, [9, 9, 9], "stop", 3),
+        ({"eos_token_id": 9}, [9], "stop", 1),  # min_tokens is the sampler's mask, as in vLLM
         ({"stop_token_ids": [4]}, [5, 4], "stop", 2),
         ({"max_tokens": 3}, [5, 5, 5], "length", 3),
     ],

@@ -1,0 +1,163 @@
+"""Pure-torch paged KV-cache ops: the semantics every CUDA kernel in `kernels/` must match.
+
+Runs on any device. The worker uses it on CPU; on CUDA it is the fallback for unsupported
+dtypes/shapes and the ground truth that the GPU tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new tokens' K/V rows into their slots; negative slots are padding and skipped.
+
+    Because the cache is NHD (`[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous),
+    slot `block_id * block_size + offset` is simply row `slot` of the cache viewed as
+    `[num_blocks * block_size, num_kv_heads, head_dim]`.
+    """
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].to(torch.long)
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        rows = cache.view(-1, *cache.shape[2:])
+        rows.index_copy_(0, slots, new[valid].to(cache.dtype))
+
+
+def gather_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `seq_len` K and V rows, unpaged: two `[seq_len, kv_heads, dim]`."""
+    block_size = key_cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].to(torch.long)
+    key = key_cache[blocks].flatten(0, 1)[:seq_len]
+    value = value_cache[blocks].flatten(0, 1)[:seq_len]
+    return key, value
+
+
+def causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """Bool mask `[q_len, seq_len]`: query i (at position seq_len - q_len + i) sees keys <= it.
+
+    None when every query sees every key (a single query at the end of the sequence).
+    """
+    if q_len == 1:
+        return None
+    positions = torch.arange(seq_len - q_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= positions[:, None]
+
+
+def attend_one_sequence(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    compute_dtype: torch.dtype | None = torch.float32,
+) -> torch.Tensor:
+    """Causal attention of `[q_len, heads, dim]` queries over unpaged `[seq_len, kv_heads, dim]`.
+
+    `compute_dtype=None` keeps the inputs' dtype (so CUDA picks a fused SDPA backend); the
+    default upcasts to fp32, which is what the reference means by "the right answer".
+    """
+    q_len, num_heads, _ = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    dtype = compute_dtype or query.dtype
+    q = query.transpose(0, 1).to(dtype)
+    # GQA: query head h reads KV head h // group, so repeat each KV head `group` times in order.
+    k = key.transpose(0, 1).to(dtype).repeat_interleave(group, dim=0)
+    v = value.transpose(0, 1).to(dtype).repeat_interleave(group, dim=0)
+    if q_len == seq_len and q_len > 1:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        mask = causal_mask(q_len, seq_len, query.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    compute_dtype: torch.dtype | None = torch.float32,
+) -> torch.Tensor:
+    """Causal attention of a ragged batch over the paged cache; see `kernels.paged_attention`.
+
+    One gather + SDPA per sequence. Rows past `query_start_loc[-1]` (padding) come back zero.
+    """
+    del max_query_len, max_seq_len  # hints for the CUDA path; the reference syncs anyway
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_seqs = len(lens)
+    if (
+        num_seqs
+        and starts == list(range(num_seqs + 1))
+        and query.shape[0] == num_seqs
+        and min(lens) > 0
+    ):
+        return decode_batch(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    out = torch.zeros_like(query)
+    for seq, seq_len in enumerate(lens):
+        begin, end = starts[seq], starts[seq + 1]
+        q_len = end - begin
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(
+                f"sequence {seq} has {q_len} new tokens but seq_len {seq_len}; seq_lens must "
+                "count the context including this step's tokens"
+            )
+        key, value = gather_kv(key_cache, value_cache, block_tables[seq], seq_len)
+        attended = attend_one_sequence(query[begin:end], key, value, scale, compute_dtype)
+        out[begin:end] = attended.to(out.dtype)
+    return out
+
+
+def decode_batch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, all sequences in one padded SDPA call (the common decode step).
+
+    Pads every sequence's K/V to the longest one and masks the padding out, which on CPU is far
+    cheaper than a Python loop of small SDPA calls.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = int(seq_lens.max())
+    blocks = block_tables[:, : -(-max_len // block_size)].to(torch.long)
+    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None].long()
+    # Slots past seq_len may hold anything (even NaN): zero them so 0-weight * NaN cannot leak.
+    pad = ~valid[:, :, None, None]
+    key = key_cache[blocks].flatten(1, 2)[:, :max_len].masked_fill(pad, 0.0)
+    value = value_cache[blocks].flatten(1, 2)[:, :max_len].masked_fill(pad, 0.0)
+    # GQA without copying K/V: a KV head's query heads become its "query length" axis.
+    group = num_heads // num_kv_heads
+    q = query.reshape(num_seqs, num_kv_heads, group, head_dim).float()
+    out = F.scaled_dot_product_attention(
+        q,
+        key.transpose(1, 2).float(),
+        value.transpose(1, 2).float(),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

@@ -1,0 +1,148 @@
+"""The CUDA kernels against the torch reference on a GPU (skipped without one).
+
+Tolerances are vLLM's kernel-test ones; the cache write must be exact; and a whole worker run
+on the GPU must sample the same greedy tokens as the CPU reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import cuda, reference
+from tests.kernels.paged_cases import (
+    decode_lengths,
+    dense_attention,
+    make_batch,
+    ragged_lengths,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
+DTYPES = [torch.float16, torch.bfloat16]
+GQA = [(8, 8), (8, 2), (16, 2)]  # ratios 1, 4, 8
+
+
+def assert_matches_reference(out: torch.Tensor, batch) -> None:
+    tol = TOLERANCE[out.dtype]
+    expected = reference.paged_attention(*batch.attention_args())
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), dense_attention(batch), atol=tol, rtol=tol)
+
+
+def kernel(batch, num_splits: int | None = None) -> torch.Tensor:
+    """The CUDA kernel itself on the whole batch, bypassing the SDPA route for prefills."""
+    return cuda.load().paged_attention(
+        *batch.attention_args(),
+        max(batch.q_lens),
+        int(batch.seq_lens.max()),
+        torch.cuda.current_stream().cuda_stream,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+        num_splits,
+    )
+
+
+def test_dispatch_picks_cuda_on_a_cuda_device():
+    assert kernels.backend("cuda") == "cuda"
+    assert kernels.backend("cpu") == "torch-reference"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("heads", "kv_heads"), GQA)
+@pytest.mark.parametrize("lengths", [decode_lengths, ragged_lengths])
+def test_cuda_kernel_matches_reference(dtype, head_dim, block_size, heads, kv_heads, lengths):
+    seq_lens, q_lens = lengths(block_size)
+    batch = make_batch(
+        seq_lens, q_lens, heads, kv_heads, head_dim, block_size, dtype, "cuda", padding_tokens=3
+    )
+    out = kernel(batch)
+    assert_matches_reference(out, batch)
+    assert out[sum(q_lens) :].abs().sum().item() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 7, 64])
+def test_cuda_split_k_matches_reference(dtype, num_splits):
+    seq_lens = [1, 17, 2048, 5000, 333, 4096]
+    batch = make_batch(seq_lens, [1, 1, 1, 3, 1, 2], 32, 8, 128, 16, dtype, "cuda", seed=4)
+    assert_matches_reference(kernel(batch, num_splits), batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hints", [True, False])
+def test_public_api_matches_reference_with_and_without_hints(dtype, hints):
+    seq_lens, q_lens = ragged_lengths(16)  # one prefill long enough for the SDPA route
+    batch = make_batch(seq_lens, q_lens, 16, 2, 128, 16, dtype, "cuda", seed=8, padding_tokens=1)
+    extra = {"max_query_len": max(q_lens), "max_seq_len": max(seq_lens)} if hints else {}
+    out = kernels.paged_attention(*batch.attention_args(), **extra)
+    assert_matches_reference(out, batch)
+
+
+def test_long_context_decode_uses_splits_and_matches_reference():
+    seq_lens = [20_000, 9_000, 31]
+    batch = make_batch(seq_lens, [1, 1, 1], 32, 8, 128, 16, torch.bfloat16, "cuda", seed=6)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = cuda.load().ctas_per_sm(torch.bfloat16, 128, 16)
+    assert cuda.plan_launch(3, 8, 4, 1, 20_000, sms, ctas).num_splits > 1
+    out = kernels.paged_attention(*batch.attention_args(), max_query_len=1, max_seq_len=20_000)
+    assert_matches_reference(out, batch)
+
+
+def test_query_sliced_from_a_fused_projection_matches_reference():
+    seq_lens, q_lens = decode_lengths(16)
+    batch = make_batch(seq_lens, q_lens, 8, 2, 64, 16, torch.float16, "cuda", seed=9)
+    fused = torch.randn(len(q_lens), 12 * 64, device="cuda", dtype=torch.float16)
+    fused[:, : 8 * 64] = batch.query.reshape(len(q_lens), -1)
+    batch.query = fused[:, : 8 * 64].view(len(q_lens), 8, 64)  # strided, not contiguous
+    assert_matches_reference(kernels.paged_attention(*batch.attention_args()), batch)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
+def test_cuda_cache_write_is_exact(dtype):
+    gen = torch.Generator().manual_seed(2)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 40, 16, 8, 128, 300
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    qkv = torch.randn(tokens, 3 * kv_heads * head_dim, generator=gen).to(dtype).cuda()
+    key = qkv[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, 2 * kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[::7] = -1
+    slots = slots.cuda()
+    caches = [torch.randn(shape, generator=gen).to(dtype).cuda() for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    reference.reshape_and_cache(key, value, *expected, slots)
+    kernels.reshape_and_cache(key, value, *caches, slots)
+    assert torch.equal(caches[0], expected[0])
+    assert torch.equal(caches[1], expected[1])
+
+
+def test_worker_greedy_tokens_on_gpu_equal_the_cpu_reference(tmp_path):
+    pytest.importorskip("transformers")
+    from gpu_worker.checkpoint import load_checkpoint
+    from gpu_worker.runner import ModelRunner
+    from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+    from tests.gpu_worker.driver import generate_greedy
+
+    # head_dim 64 and 4 query heads per KV head: a shape the CUDA kernels serve.
+    folder = make_tiny_checkpoint(
+        tmp_path, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in (5, 40, 70, 17, 1)]
+
+    def greedy(device: str, dtype: torch.dtype) -> list[list[int]]:
+        model = load_checkpoint(folder, dtype=dtype, device=device)
+        runner = ModelRunner(model, 96, 16)
+        return generate_greedy(runner, prompts, 12, max_chunk=24)  # chunked prefill + decode
+
+    on_gpu = greedy("cuda", torch.float16)
+    assert kernels.backend("cuda") == "cuda"
+    assert on_gpu == greedy("cpu", torch.float32)
