@@ -162,7 +162,7 @@ def test_a_preempted_request_shows_its_preemption_and_its_second_admission(trace
         if any(s["name"] == "kvledger.preempt" for s in spans)
     }
     assert preempted, "the small pool should have forced a preemption"
-    for rid, spans in preempted.items():
+    for spans in preempted.values():
         preempts = [s for s in spans if s["name"] == "kvledger.preempt"]
         admits = sorted(
             (s for s in spans if s["name"] == "kvledger.admit"), key=lambda s: s["start_ns"]
