@@ -5,8 +5,15 @@
 # Base: python:3.11-slim rather than nvidia/cuda. The Linux x86_64 torch wheel on PyPI is the
 # CUDA build and brings its own CUDA runtime, cuBLAS and cuDNN as nvidia-* wheels, while the
 # NVIDIA Container Toolkit mounts the driver when compose reserves a GPU; a CUDA base image would
-# only add a second copy of those libraries. What it would add is nvcc: kernels compiled at run
-# time need an nvidia/cuda:<version>-devel base instead (the torch reference needs nothing).
+# only add a second copy of those libraries. nvcc is needed once, to compile kernels/csrc: the
+# first stage does that in NVIDIA's devel image and the final image loads the result
+# (KVLEDGER_KERNEL_LIB), so no compiler ships and no worker compiles at start-up.
+FROM nvidia/cuda:12.8.1-devel-ubuntu24.04 AS kernels
+RUN apt-get update && apt-get install -y --no-install-recommends python3 \
+    && rm -rf /var/lib/apt/lists/*
+COPY kernels /src/kernels
+RUN python3 /src/kernels/build.py /opt/kvledger-kernels
+
 FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch>=2.4"
@@ -38,6 +45,8 @@ COPY gpu_worker ./gpu_worker
 COPY kernels ./kernels
 COPY observability ./observability
 RUN pip install --no-deps .
+COPY --from=kernels /opt/kvledger-kernels/libkvledger_kernels.so /opt/kvledger/libkvledger_kernels.so
+ENV KVLEDGER_KERNEL_LIB=/opt/kvledger/libkvledger_kernels.so
 
 USER kvledger
 EXPOSE 8000 9100

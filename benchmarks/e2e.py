@@ -201,7 +201,7 @@ async def run_split(work: Workload, args: argparse.Namespace) -> Report:
         else:
             raise RuntimeError("kvledger up exited before serving")
         base = f"http://127.0.0.1:{port}"
-        report = Report("service split (HTTP + Redis)", 0.0, len(work.prompts), 0)
+        report = Report(f"service split (HTTP{' SSE' if args.stream else ''} + Redis)", 0.0, len(work.prompts), 0)
         semaphore = asyncio.Semaphore(args.concurrency)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
 
@@ -211,7 +211,7 @@ async def run_split(work: Workload, args: argparse.Namespace) -> Report:
                         "model": "kvledger-tiny-llama",
                         "prompt": prompt,
                         "max_tokens": max_tokens,
-                        "stream": True,
+                        "stream": args.stream,
                         "ignore_eos": True,
                         "temperature": 0,
                     }
@@ -219,6 +219,11 @@ async def run_split(work: Workload, args: argparse.Namespace) -> Report:
                     first = True
                     async with session.post(f"{base}/v1/completions", json=body) as resp:
                         resp.raise_for_status()
+                        if not args.stream:
+                            data = await resp.json()
+                            report.ttft_s.append(time.perf_counter() - start)  # whole request, unstreamed
+                            report.output_tokens += data["usage"]["completion_tokens"]
+                            return
                         async for raw in resp.content:
                             line = raw.decode().strip()
                             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -271,6 +276,8 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="non-streaming requests: measures throughput without per-token SSE work")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     work = make_workload(

@@ -21,6 +21,7 @@ ARCHS = ("80", "90")
 LIBRARY_NAME = "libkvledger_kernels.so"
 CACHE_ENV = "KVLEDGER_KERNEL_CACHE"
 NVCC_ENV = "KVLEDGER_NVCC"
+PREBUILT_ENV = "KVLEDGER_KERNEL_LIB"
 
 
 class BuildError(RuntimeError):
@@ -136,3 +137,14 @@ def build(emulated: bool = False) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final / LIBRARY_NAME
+
+
+if __name__ == "__main__":  # `python kernels/build.py DIR`: build ahead of time (Docker image)
+    import sys
+
+    if len(sys.argv) > 1:
+        os.environ[CACHE_ENV] = sys.argv[1]
+    built = build()
+    target = cache_root() / LIBRARY_NAME
+    shutil.copy2(built, target)
+    print(target)

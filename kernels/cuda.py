@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -264,7 +265,9 @@ def load() -> KernelLibrary:
     if _library is None:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device")
-        _library = KernelLibrary(build.build())
+        # A library built ahead of time (the Docker image's nvcc stage) skips the JIT build.
+        prebuilt = os.environ.get(build.PREBUILT_ENV)
+        _library = KernelLibrary(Path(prebuilt) if prebuilt else build.build())
     return _library
 
 
