@@ -97,7 +97,7 @@ def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
     from ledger.kv_cache_manager import KVCacheManager
     from ledger.request import Request
     from ledger.scheduler import Scheduler, SchedulerConfig
-    from ledger.service import Tracked, build_step_message
+    from ledger.translate import Tracked, build_step_message
     from services.messages import GenerateRequest, SamplingParams
 
     torch.set_num_threads(1)

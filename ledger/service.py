@@ -13,30 +13,34 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass
 
-import msgpack
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from ledger.capacity import BlockCost, capacity_line, check_enough_blocks
-from ledger.events import AllBlocksCleared, KVEventBatch, encode_batch
-from ledger.hashing import BlockHasher, to_event_hash
+from ledger.event_stream import KVEventStream
+from ledger.events import AllBlocksCleared
+from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import Request, RequestStatus
 from ledger.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from ledger.telemetry import LedgerTelemetry
+from ledger.translate import (
+    Tracked,
+    build_step_message,
+    rejection,
+    request_from_message,
+    request_output,
+    validate_request,
+)
+from ledger.workers import membership_changes, plan_pool
 from observability import LedgerMetrics, get_logger, metrics_handler, new_registry
 from services import registry, transport
 from services.config import LedgerConfig
 from services.messages import (
     AbortRequest,
-    CachedRequestData,
     GenerateRequest,
     LedgerStatus,
-    NewRequestData,
     RequestOutput,
-    StepMessage,
     StepResult,
     WorkerHello,
 )
@@ -45,18 +49,6 @@ from services.wire import WireError, encode
 log = get_logger("kvledger.ledger")
 
 CONSUMER = "ledger"  # one ledger per group: a fixed name lets a restart re-read its pending entries
-
-
-class StartupError(RuntimeError):
-    """The ledger cannot serve with what the workers reported (the message says what to change)."""
-
-
-@dataclass(slots=True)
-class Tracked:
-    """What the shell keeps per request beside the core's Request."""
-
-    entry: transport.Entry
-    msg: GenerateRequest
 
 
 class LedgerService:
@@ -90,9 +82,10 @@ class LedgerService:
         self.vocab_size = 0
         self.model_name = ""
         self.capacity = ""
-        self.events_published = 0
-        self.last_event_id: bytes | None = None
-        self.last_snapshot = 0.0
+        self.events = KVEventStream(
+            r, self.streams, maxlen=config.events_maxlen, snapshot_interval_s=config.snapshot_interval_s,
+            block_size=config.block_size, hash_algo=config.hash_algo,
+        )  # fmt: skip
 
     @property
     def epoch(self) -> str:
@@ -157,32 +150,11 @@ class LedgerService:
 
     def _start_engine(self, hellos: list[WorkerHello]) -> None:
         cfg = self.cfg
-        for hello in hellos:
-            if hello.block_size != cfg.block_size:
-                raise StartupError(
-                    f"worker {hello.worker_id} uses block_size {hello.block_size} but the ledger uses "
-                    f"{cfg.block_size}: set KVLEDGER_BLOCK_SIZE the same for every service"
-                )
-        smallest = min(hellos, key=lambda h: h.num_gpu_blocks)
-        num_blocks = cfg.num_gpu_blocks_override or smallest.num_gpu_blocks
-        if num_blocks > smallest.num_gpu_blocks:
-            raise StartupError(
-                f"num_gpu_blocks_override={num_blocks} exceeds what worker {smallest.worker_id} holds "
-                f"({smallest.num_gpu_blocks} blocks): the override cannot create memory"
-            )
-        try:
-            check_enough_blocks(
-                num_blocks, BlockCost(smallest.bytes_per_block, cfg.block_size), cfg.max_model_len
-            )
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        self.num_gpu_blocks = num_blocks
-        self.vocab_size = min(h.vocab_size for h in hellos)
-        self.model_name = smallest.model_name
-        device = "GPU" if smallest.device.startswith("cuda") else smallest.device.upper()
-        self.capacity = capacity_line(num_blocks, cfg.block_size, cfg.max_model_len, device)
+        plan = plan_pool(hellos, cfg.block_size, cfg.max_model_len, cfg.num_gpu_blocks_override)
+        self.num_gpu_blocks, self.vocab_size = plan.num_gpu_blocks, plan.vocab_size
+        self.model_name, self.capacity = plan.model_name, plan.capacity_line
         self.manager = KVCacheManager(
-            num_blocks,
+            plan.num_gpu_blocks,
             cfg.block_size,
             cfg.max_model_len,
             enable_caching=cfg.enable_prefix_caching,
@@ -205,10 +177,10 @@ class LedgerService:
         log.info(
             "kv_cache_capacity",
             line=self.capacity,
-            num_gpu_blocks=num_blocks,
+            num_gpu_blocks=plan.num_gpu_blocks,
             block_size=cfg.block_size,
             workers=sorted(self.workers),
-            profile=smallest.detail,
+            profile=plan.profile,
         )
 
     async def _new_generation(self, reason: str) -> None:
@@ -243,7 +215,10 @@ class LedgerService:
                 continue
             started = time.monotonic()
             await transport.append(
-                self.r, self.streams.steps(self.cfg.group), self._step_message(out), maxlen=10_000
+                self.r,
+                self.streams.steps(self.cfg.group),
+                build_step_message(out, self.epoch, self.cfg.block_size),
+                maxlen=10_000,
             )
             await self._flush_outputs()  # the previous step's tokens, while the workers compute
             sampled = await self._await_results(out)
@@ -261,9 +236,6 @@ class LedgerService:
         if self.intake.empty():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.intake_event.wait(), timeout)
-
-    def _step_message(self, out: SchedulerOutput) -> StepMessage:
-        return build_step_message(out, self.epoch, self.cfg.block_size)
 
     async def _await_results(self, out: SchedulerOutput) -> dict[str, int] | None:
         """The tokens of this step, once every worker of the group answered; None if a worker
@@ -359,120 +331,45 @@ class LedgerService:
 
     async def _add_request(self, entry: transport.Entry, msg: GenerateRequest) -> None:
         assert self.scheduler is not None and self.telemetry is not None
-        problem = self._validate(msg)
+        problem = validate_request(msg, self.vocab_size, self.cfg.max_model_len)
         if problem is None and msg.req_id in self.scheduler.requests:
             problem = f"req_id {msg.req_id!r} is already running"
         if problem is None:
-            s = msg.sampling
-            request = Request(
-                msg.req_id,
-                msg.prompt_token_ids,
-                s.max_tokens,
-                eos_token_id=s.eos_token_id,
-                stop_token_ids=s.stop_token_ids or (),
-                priority=msg.priority,
-                arrival_time=msg.arrival_time,
-                cache_salt=msg.cache_salt,
-                block_hasher=self.hasher,
-                block_size=self.cfg.block_size,
-                payload=Tracked(entry, msg),
-            )
+            request = request_from_message(msg, entry, self.hasher, self.cfg.block_size)
             try:
                 self.scheduler.add_request(request)
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
             log.warning("request_rejected", req_id=msg.req_id, error=problem)
-            await self._send(
-                msg.gateway_id,
-                RequestOutput(
-                    req_id=msg.req_id,
-                    new_token_ids=[],
-                    finished=True,
-                    finish_reason="error",
-                    error=problem,
-                    num_prompt_tokens=len(msg.prompt_token_ids),
-                ),
-            )
+            await self._send(msg.gateway_id, rejection(msg, problem))
             await self.requests_reader.ack([entry])
             return
-        self.tracked[msg.req_id] = Tracked(entry, msg)
+        self.tracked[msg.req_id] = request.payload
         self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
-
-    def _validate(self, msg: GenerateRequest) -> str | None:
-        s = msg.sampling
-        if not msg.prompt_token_ids:
-            return "field 'prompt_token_ids': empty prompt"
-        bad = next((t for t in msg.prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return f"field 'prompt_token_ids': token id {bad} is outside the vocabulary (size {self.vocab_size})"
-        if s.max_tokens < 1:
-            return f"field 'sampling.max_tokens': must be at least 1, got {s.max_tokens}"
-        if len(msg.prompt_token_ids) + s.max_tokens > self.cfg.max_model_len:
-            return (
-                f"field 'sampling.max_tokens': {len(msg.prompt_token_ids)} prompt tokens plus {s.max_tokens} "
-                f"output tokens exceed max_model_len {self.cfg.max_model_len}"
-            )
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or s.min_tokens < 0:
-            return "field 'sampling': temperature >= 0, 0 < top_p <= 1, top_k >= 0 and min_tokens >= 0 are required"
-        return None
 
     async def _abort(self, msg: AbortRequest) -> None:
         assert self.scheduler is not None
         for request in self.scheduler.finish_requests([msg.req_id], RequestStatus.FINISHED_ABORTED):
             log.info("request_aborted", req_id=msg.req_id, reason=msg.reason)
-            await self._finish_tracking(
-                request,
-                RequestOutput(
-                    req_id=request.request_id,
-                    new_token_ids=[],
-                    position=request.num_output_tokens,
-                    finished=True,
-                    finish_reason="abort",
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    num_preemptions=request.num_preemptions,
-                ),
-            )
-        await self._publish_events(self.manager.take_events() if self.manager else [])
+            await self._finish_tracking(request, request_output(request, [], "abort"))
 
     # ------------------------------------------------------------------ outputs
 
     async def _flush_outputs(self) -> None:
         """Stream the last step's tokens to their gateways (held back to overlap the next step)."""
         updates, self.unsent = self.unsent, []
-        by_gateway: dict[str, list[RequestOutput]] = {}
-        finished = []
+        if not updates:
+            return
+        async with self.r.pipeline(transaction=False) as pipe:
+            for update in updates:
+                out = request_output(update.request, update.new_token_ids, update.finish_reason)
+                stream = self.streams.outputs(update.request.payload.msg.gateway_id)
+                pipe.xadd(stream, {transport.FIELD: encode(out)}, maxlen=100_000, approximate=True)
+            await pipe.execute()
         for update in updates:
-            request = update.request
-            tracked: Tracked = request.payload
-            out = RequestOutput(
-                req_id=request.request_id,
-                new_token_ids=update.new_token_ids,
-                position=request.num_output_tokens - len(update.new_token_ids),
-                finished=update.finished,
-                finish_reason=update.finish_reason,
-                stop_token_id=request.stop_reason,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                num_preemptions=request.num_preemptions,
-            )
-            by_gateway.setdefault(tracked.msg.gateway_id, []).append(out)
             if update.finished:
-                finished.append(request)
-        if by_gateway:
-            async with self.r.pipeline(transaction=False) as pipe:
-                for gateway_id, outs in by_gateway.items():
-                    for out in outs:
-                        pipe.xadd(
-                            self.streams.outputs(gateway_id),
-                            {transport.FIELD: encode(out)},
-                            maxlen=100_000,
-                            approximate=True,
-                        )
-                await pipe.execute()
-        for request in finished:
-            await self._finish_tracking(request, None)
+                await self._finish_tracking(update.request, None)
 
     async def _finish_tracking(self, request: Request, final: RequestOutput | None) -> None:
         tracked = self.tracked.pop(request.request_id, None)
@@ -498,38 +395,14 @@ class LedgerService:
     # ------------------------------------------------------------------ KV events
 
     async def _publish_events(self, events: list) -> None:
-        if not events:
-            return
-        batch = encode_batch(KVEventBatch(time.time(), events))
-        self.last_event_id = await self.r.xadd(
-            self.streams.events, {b"batch": batch}, maxlen=self.cfg.events_maxlen, approximate=True
-        )
-        self.events_published += len(events)
-        if self.metrics is not None:
-            self.metrics.record_kv_events(len(events))
-        # The snapshot is written right after a batch, by the only writer of the stream, so it
-        # is exactly the state after that entry.
-        if time.monotonic() - self.last_snapshot >= self.cfg.snapshot_interval_s:
-            await self._write_snapshot()
+        assert self.manager is not None and self.events is not None
+        published = await self.events.publish(events, self.manager.block_pool, self.epoch)
+        if published and self.metrics is not None:
+            self.metrics.record_kv_events(published)
 
     async def _write_snapshot(self) -> None:
-        if self.manager is None:
-            return
-        counts: dict[int, int] = {}
-        for block in self.manager.block_pool.blocks:
-            if block.block_hash is not None:
-                key = to_event_hash(block.block_hash)
-                counts[key] = counts.get(key, 0) + 1
-        snapshot = {
-            "epoch": self.epoch,
-            "stream_id": (self.last_event_id or b"0-0").decode(),
-            "block_size": self.cfg.block_size,
-            "hash_algo": self.cfg.hash_algo,
-            "hashes": [[h, n] for h, n in counts.items()],
-            "written_at": time.time(),
-        }
-        await self.r.set(self.streams.events_snapshot, msgpack.packb(snapshot))
-        self.last_snapshot = time.monotonic()
+        if self.manager is not None and self.events is not None:
+            await self.events.write_snapshot(self.manager.block_pool, self.epoch)
 
     # ------------------------------------------------------------------ background readers
 
@@ -572,19 +445,11 @@ class LedgerService:
     async def _status_loop(self) -> None:
         while True:
             live = await registry.live_workers(self.r, self.cfg.stream_prefix, self.cfg.group)
-            for worker_id, hello in self.workers.items():
-                now = live.get(worker_id)
-                if now is None or now.started_at != hello.started_at:
-                    log.warning("worker_lost", worker_id=worker_id, restarted=now is not None)
-                    self.membership_changed = True
-            joined = sorted(
-                w
-                for w, h in live.items()
-                if w not in self.workers and h.num_gpu_blocks >= self.num_gpu_blocks
-            )
-            if joined and not self.membership_changed:
-                log.info("worker_joined", workers=joined)
-                self.membership_changed = True  # a fresh worker holds none of the cached data
+            lost, joined = membership_changes(self.workers, live, self.num_gpu_blocks)
+            if (lost or joined) and not self.membership_changed:
+                # A fresh worker holds none of the cached data, a lost one took its share.
+                log.warning("workers_changing", lost=lost, joined=joined)
+                self.membership_changed = True
             self.intake_event.set()
             await self._write_status()
             await asyncio.sleep(min(1.0, self.cfg.worker_ttl_s / 3))
@@ -608,45 +473,6 @@ class LedgerService:
             metrics=self.metrics.snapshot().to_dict() if self.metrics else None,
         )
         await self.r.set(self.streams.ledger_status, encode(status), px=5000)
-
-
-def build_step_message(out: SchedulerOutput, epoch: str, block_size: int) -> StepMessage:
-    """The wire form of one scheduler step; each request's payload is its `Tracked` entry."""
-
-    def traceparent(request: Request) -> str | None:
-        return request.payload.msg.traceparent if request.payload else None
-
-    return StepMessage(
-        step_id=out.step_id,
-        epoch=epoch,
-        new_reqs=[
-            NewRequestData(
-                req_id=new.request.request_id,
-                token_ids=new.token_ids,
-                num_prompt_tokens=new.request.num_prompt_tokens,
-                block_ids=new.block_ids,
-                num_computed_tokens=new.num_computed_tokens,
-                sampling=new.request.payload.msg.sampling,
-                traceparent=traceparent(new.request),
-            )
-            for new in out.scheduled_new_reqs
-        ],
-        cached_reqs=[
-            CachedRequestData(
-                req_id=c.request.request_id,
-                new_token_ids=c.new_token_ids,
-                new_block_ids=c.new_block_ids,
-                num_computed_tokens=c.num_computed_tokens,
-                traceparent=traceparent(c.request),
-            )
-            for c in out.scheduled_cached_reqs
-        ],
-        num_scheduled_tokens=out.num_scheduled_tokens,
-        finished_req_ids=sorted(out.finished_req_ids),
-        preempted_req_ids=out.preempted_req_ids,
-        block_size=block_size,
-        sent_at=time.time(),
-    )
 
 
 def metrics_app(service: LedgerService) -> web.Application:

@@ -1,0 +1,139 @@
+"""Between the wire and the core: requests in, step messages and outputs out.
+
+Pure functions over `services.messages` and the ledger core (no Redis): the service module does
+the I/O, this module decides what the messages say.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ledger.hashing import BlockHasher
+from ledger.request import Request
+from ledger.scheduler import SchedulerOutput
+from services.messages import (
+    CachedRequestData,
+    GenerateRequest,
+    NewRequestData,
+    RequestOutput,
+    StepMessage,
+)
+from services.transport import Entry
+
+
+@dataclass(slots=True)
+class Tracked:
+    """What the shell keeps per request beside the core's Request (its `payload`)."""
+
+    entry: Entry | None  # the requests-stream entry, acked when the request ends
+    msg: GenerateRequest
+
+
+def validate_request(msg: GenerateRequest, vocab_size: int, max_model_len: int) -> str | None:
+    """Why the ledger cannot run this request (naming the field), or None."""
+    s = msg.sampling
+    if not msg.prompt_token_ids:
+        return "field 'prompt_token_ids': empty prompt"
+    bad = next((t for t in msg.prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"field 'prompt_token_ids': token id {bad} is outside the vocabulary (size {vocab_size})"
+    if s.max_tokens < 1:
+        return f"field 'sampling.max_tokens': must be at least 1, got {s.max_tokens}"
+    if len(msg.prompt_token_ids) + s.max_tokens > max_model_len:
+        return (
+            f"field 'sampling.max_tokens': {len(msg.prompt_token_ids)} prompt tokens plus "
+            f"{s.max_tokens} output tokens exceed max_model_len {max_model_len}"
+        )
+    if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or s.min_tokens < 0:
+        return (
+            "field 'sampling': temperature >= 0, 0 < top_p <= 1, top_k >= 0 and min_tokens >= 0 "
+            "are required"
+        )
+    return None
+
+
+def request_from_message(
+    msg: GenerateRequest, entry: Entry | None, hasher: BlockHasher | None, block_size: int
+) -> Request:
+    s = msg.sampling
+    return Request(
+        msg.req_id,
+        msg.prompt_token_ids,
+        s.max_tokens,
+        eos_token_id=s.eos_token_id,
+        stop_token_ids=s.stop_token_ids or (),
+        priority=msg.priority,
+        arrival_time=msg.arrival_time,
+        cache_salt=msg.cache_salt,
+        block_hasher=hasher,
+        block_size=block_size,
+        payload=Tracked(entry, msg),
+    )
+
+
+def request_output(
+    request: Request, new_token_ids: list[int], finish_reason: str | None = None
+) -> RequestOutput:
+    """What a gateway hears about a request: its new tokens and, at the end, why it ended."""
+    return RequestOutput(
+        req_id=request.request_id,
+        new_token_ids=new_token_ids,
+        position=request.num_output_tokens - len(new_token_ids),
+        finished=finish_reason is not None,
+        finish_reason=finish_reason,
+        stop_token_id=request.stop_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        num_preemptions=request.num_preemptions,
+    )
+
+
+def rejection(msg: GenerateRequest, problem: str) -> RequestOutput:
+    return RequestOutput(
+        req_id=msg.req_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason="error",
+        error=problem,
+        num_prompt_tokens=len(msg.prompt_token_ids),
+    )
+
+
+def build_step_message(out: SchedulerOutput, epoch: str, block_size: int) -> StepMessage:
+    """The wire form of one scheduler step; each request's payload is its `Tracked`."""
+
+    def traceparent(request: Request) -> str | None:
+        return request.payload.msg.traceparent if request.payload else None
+
+    return StepMessage(
+        step_id=out.step_id,
+        epoch=epoch,
+        new_reqs=[
+            NewRequestData(
+                req_id=new.request.request_id,
+                token_ids=new.token_ids,
+                num_prompt_tokens=new.request.num_prompt_tokens,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=new.request.payload.msg.sampling,
+                traceparent=traceparent(new.request),
+            )
+            for new in out.scheduled_new_reqs
+        ],
+        cached_reqs=[
+            CachedRequestData(
+                req_id=c.request.request_id,
+                new_token_ids=c.new_token_ids,
+                new_block_ids=c.new_block_ids,
+                num_computed_tokens=c.num_computed_tokens,
+                traceparent=traceparent(c.request),
+            )
+            for c in out.scheduled_cached_reqs
+        ],
+        num_scheduled_tokens=out.num_scheduled_tokens,
+        finished_req_ids=sorted(out.finished_req_ids),
+        preempted_req_ids=out.preempted_req_ids,
+        block_size=block_size,
+        sent_at=time.time(),
+    )

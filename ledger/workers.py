@@ -1,0 +1,73 @@
+"""The worker group as the ledger sees it: sizing the pool from the workers' reports, and telling
+a lost or restarted worker from a heartbeat. Pure: the service reads the registry keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ledger.capacity import BlockCost, capacity_line, check_enough_blocks
+from services.messages import WorkerHello
+
+
+class StartupError(RuntimeError):
+    """The ledger cannot serve with what the workers reported (the message says what to change)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    num_gpu_blocks: int
+    vocab_size: int
+    model_name: str
+    capacity_line: str
+    profile: str  # the smallest worker's memory profile, for the start-up log
+
+
+def plan_pool(
+    hellos: list[WorkerHello],
+    block_size: int,
+    max_model_len: int,
+    num_gpu_blocks_override: int | None,
+) -> PoolPlan:
+    """The smallest report in the group sizes the pool (as vLLM takes the minimum over TP ranks);
+    refuse, with vLLM's message, when one max_model_len request cannot fit."""
+    for hello in hellos:
+        if hello.block_size != block_size:
+            raise StartupError(
+                f"worker {hello.worker_id} uses block_size {hello.block_size} but the ledger uses "
+                f"{block_size}: set KVLEDGER_BLOCK_SIZE the same for every service"
+            )
+    smallest = min(hellos, key=lambda h: h.num_gpu_blocks)
+    num_blocks = num_gpu_blocks_override or smallest.num_gpu_blocks
+    if num_blocks > smallest.num_gpu_blocks:
+        raise StartupError(
+            f"num_gpu_blocks_override={num_blocks} exceeds what worker {smallest.worker_id} holds "
+            f"({smallest.num_gpu_blocks} blocks): the override cannot create memory"
+        )
+    try:
+        check_enough_blocks(
+            num_blocks, BlockCost(smallest.bytes_per_block, block_size), max_model_len
+        )
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    device = "GPU" if smallest.device.startswith("cuda") else smallest.device.upper()
+    return PoolPlan(
+        num_gpu_blocks=num_blocks,
+        vocab_size=min(h.vocab_size for h in hellos),
+        model_name=smallest.model_name,
+        capacity_line=capacity_line(num_blocks, block_size, max_model_len, device),
+        profile=smallest.detail,
+    )
+
+
+def membership_changes(
+    known: dict[str, WorkerHello], live: dict[str, WorkerHello], num_gpu_blocks: int
+) -> tuple[list[str], list[str]]:
+    """(lost, joined): workers whose key vanished or who restarted (a new `started_at`), and new
+    workers big enough to hold the pool. Either means the workers' KV data no longer agrees."""
+    lost = sorted(
+        w for w, hello in known.items() if w not in live or live[w].started_at != hello.started_at
+    )
+    joined = sorted(
+        w for w, hello in live.items() if w not in known and hello.num_gpu_blocks >= num_gpu_blocks
+    )
+    return lost, joined

@@ -1,0 +1,86 @@
+"""Pool sizing from the workers' reports, membership changes, and request validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger.translate import validate_request
+from ledger.workers import StartupError, membership_changes, plan_pool
+from services.messages import GenerateRequest, SamplingParams, WorkerHello
+
+
+def hello(
+    worker_id: str,
+    num_blocks: int,
+    started_at: float = 1.0,
+    block_size: int = 16,
+    device: str = "cuda:0",
+):
+    return WorkerHello(
+        worker_id=worker_id, group="g", num_gpu_blocks=num_blocks, block_size=block_size,
+        bytes_per_block=2 * 1024 * 1024, available_kv_bytes=0, model_name="m", max_model_len=4096,
+        vocab_size=32000, device=device, started_at=started_at,
+    )  # fmt: skip
+
+
+def test_the_smallest_worker_sizes_the_pool_and_the_capacity_line():
+    plan = plan_pool([hello("a", 27_955), hello("b", 30_000)], 16, 131_072, None)
+    assert plan.num_gpu_blocks == 27_955
+    assert plan.capacity_line == (
+        "GPU KV cache size: 447,280 tokens, Maximum concurrency for 131,072 tokens per request: 3.41x"
+    )
+    assert plan_pool([hello("a", 100, device="cpu")], 16, 1024, 80).capacity_line.startswith(
+        "CPU KV cache size: 1,280"
+    )
+
+
+def test_the_ledger_refuses_what_cannot_serve_one_max_model_len_request():
+    with pytest.raises(
+        StartupError, match=r"max seq len \(131072\).*estimated maximum model length is 81904"
+    ):
+        plan_pool([hello("a", 5_120)], 16, 131_072, None)
+    with pytest.raises(StartupError, match="cannot create memory"):
+        plan_pool([hello("a", 100)], 16, 1024, 200)
+    with pytest.raises(StartupError, match="KVLEDGER_BLOCK_SIZE"):
+        plan_pool([hello("a", 100, block_size=32)], 16, 1024, None)
+
+
+def test_membership_changes_tell_a_restart_from_a_heartbeat():
+    known = {"a": hello("a", 100), "b": hello("b", 100)}
+    assert membership_changes(known, dict(known), 100) == ([], [])
+    restarted = {"a": hello("a", 100, started_at=2.0), "b": known["b"]}
+    assert membership_changes(known, restarted, 100) == (["a"], [])
+    assert membership_changes(known, {"a": known["a"]}, 100) == (["b"], [])
+    grown = {**known, "c": hello("c", 100), "tiny": hello("tiny", 10)}
+    assert membership_changes(known, grown, 100) == (
+        [],
+        ["c"],
+    )  # too small to hold the pool: ignored
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "message"),
+    [
+        ([], SamplingParams(), "empty prompt"),
+        ([1, 40_000], SamplingParams(), "token id 40000 is outside the vocabulary"),
+        ([1, 2], SamplingParams(max_tokens=0), "'sampling.max_tokens': must be at least 1"),
+        ([1] * 100, SamplingParams(max_tokens=30), "exceed max_model_len 128"),
+        ([1, 2], SamplingParams(top_p=0.0), "0 < top_p <= 1"),
+    ],
+)
+def test_requests_the_ledger_cannot_run_are_named_by_field(prompt, sampling, message):
+    msg = GenerateRequest(
+        req_id="r", gateway_id="g", prompt_token_ids=prompt, sampling=sampling, arrival_time=0.0
+    )
+    assert message in validate_request(msg, 32_000, 128)
+
+
+def test_a_valid_request_passes():
+    msg = GenerateRequest(
+        req_id="r",
+        gateway_id="g",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(),
+        arrival_time=0.0,
+    )
+    assert validate_request(msg, 32_000, 128) is None
