@@ -13,8 +13,8 @@ from collections import defaultdict
 import aiohttp
 import pytest
 
+from tests.e2e.conftest import launch, metric_value, serving
 from tests.otlp_receiver import OtlpReceiver
-from tests.system.served import Served, metric
 
 pytestmark = pytest.mark.slow
 
@@ -60,16 +60,14 @@ async def complete(
 def traced_run():
     receiver = OtlpReceiver().start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
-    served = Served(
-        "--num-gpu-blocks-override",
-        "24",
-        "--max-model-len",
-        "112",
-        "--max-num-batched-tokens",
-        "256",
+    stack = launch(
+        "default",
+        num_gpu_blocks=24,
+        max_model_len=112,
+        extra_args=("--max-num-batched-tokens", "256"),
         env=env,
     )
-    with served:
+    with serving(stack) as (served,):
 
         async def run() -> tuple[list[dict], list[dict], str, str]:
             async with aiohttp.ClientSession() as session:
@@ -89,7 +87,7 @@ def traced_run():
                     1.5
                 )  # the ledger refreshes its status (mirrored metrics) every second
                 gateway_metrics = await (await session.get(f"{served.url}/metrics")).text()
-                ledger_metrics = await (await session.get(served.metrics_url)).text()
+                ledger_metrics = await (await session.get(served.ledger_metrics_url)).text()
             return wave1, wave2, gateway_metrics, ledger_metrics
 
         wave1, wave2, gateway_metrics, ledger_metrics = asyncio.run(run())
@@ -214,13 +212,10 @@ def test_worker_steps_link_to_every_request_in_their_batch(traced_run):
 def test_log_lines_inside_a_request_carry_its_trace_id(traced_run):
     traces = request_traces(traced_run)
     trace_of = {rid: spans[0]["trace_id"] for rid, spans in traces.items()}
-    records = traced_run["served"].log_records()
-    per_request = [
-        r
-        for r in records
-        if r.get("req_id") in trace_of
-        and r.get("event") in ("request_enqueued", "request_finished", "request_preempted")
-    ]
+    records = traced_run["served"].log_records(
+        "request_enqueued", "request_finished", "request_preempted"
+    )
+    per_request = [r for r in records if r.get("req_id") in trace_of]
     assert {r["event"] for r in per_request} >= {
         "request_enqueued",
         "request_finished",
@@ -238,19 +233,21 @@ def test_metrics_agree_with_the_ledger_and_the_traces(traced_run):
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
     ):
-        assert metric(gateway, name) == metric(ledger, name), name
+        assert metric_value(gateway, name) == metric_value(ledger, name), name
     preempt_spans = sum(1 for s in traced_run["spans"] if s["name"] == "kvledger.preempt")
-    assert metric(ledger, "vllm:num_preemptions_total") == preempt_spans > 0
+    assert metric_value(ledger, "vllm:num_preemptions_total") == preempt_spans > 0
     queried = sum(r["usage"]["prompt_tokens"] for r in traced_run["wave1"] + traced_run["wave2"])
-    assert metric(ledger, "vllm:prefix_cache_queries_total") == queried  # first admissions only
+    assert (
+        metric_value(ledger, "vllm:prefix_cache_queries_total") == queried
+    )  # first admissions only
     hits = sum(
         r["usage"]["prompt_tokens_details"]["cached_tokens"]
         for r in traced_run["wave1"] + traced_run["wave2"]
     )
-    assert metric(ledger, "vllm:prefix_cache_hits_total") == hits
+    assert metric_value(ledger, "vllm:prefix_cache_hits_total") == hits
     assert (
-        metric(gateway, "vllm:kv_cache_usage_perc")
-        == metric(ledger, "vllm:kv_cache_usage_perc")
+        metric_value(gateway, "vllm:kv_cache_usage_perc")
+        == metric_value(ledger, "vllm:kv_cache_usage_perc")
         == 0.0
     )
     evicted = sum(
@@ -258,4 +255,4 @@ def test_metrics_agree_with_the_ledger_and_the_traces(traced_run):
         for s in traced_run["spans"]
         if s["name"] == "kvledger.evict"
     )
-    assert metric(ledger, "kvledger_evicted_blocks_total") == evicted
+    assert metric_value(ledger, "kvledger_evicted_blocks_total") == evicted

@@ -12,16 +12,16 @@ import pytest
 
 from gpu_worker.checkpoint import load_model
 from gpu_worker.tokenizer import ByteTokenizer
+from tests.e2e.conftest import metric_value, serve
+from tests.e2e.test_traces import complete, token_prompts
 from tests.services.stack import dense_greedy
-from tests.system.served import Served, metric
-from tests.system.test_traces import complete, token_prompts
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def served():
-    with Served("--num-gpu-blocks-override", "40", "--max-model-len", "256") as s:
+    with serve("default", num_gpu_blocks=40, max_model_len=256) as s:
         yield s
 
 
@@ -111,7 +111,7 @@ def test_chat_models_health_and_metrics(served):
             ).json()
             models = await (await session.get(f"{served.url}/v1/models")).json()
             health = await session.get(f"{served.url}/health")
-            text = await (await session.get(served.metrics_url)).text()
+            text = await (await session.get(served.ledger_metrics_url)).text()
             return chat, models, health.status, text
 
     chat, models, health, text = asyncio.run(run())
@@ -121,5 +121,5 @@ def test_chat_models_health_and_metrics(served):
     assert chat["usage"]["completion_tokens"] == 5
     assert [m["id"] for m in models["data"]] == ["kvledger-tiny-llama"]
     assert health == 200
-    assert metric(text, "vllm:prefix_cache_queries_total") > 0
+    assert metric_value(text, "vllm:prefix_cache_queries_total") > 0
     assert "Maximum concurrency for 256 tokens per request" in served.capacity_line
