@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from observability import get_logger
 from services import transport, wire
-from services.messages import RequestOutput
+from services.messages import OutputBatch, RequestOutput
 
 log = get_logger("gateway.outputs")
 
@@ -138,12 +138,17 @@ class OutputDispatcher:
 
     async def _dispatch(self, entry: transport.Entry) -> None:
         try:
-            out = transport.decode_entry(entry, RequestOutput)
+            msg = transport.decode_entry(entry)
+            if not isinstance(msg, RequestOutput | OutputBatch):
+                raise wire.WireError(
+                    f"field 'kind': {msg.KIND!r} does not belong on an outputs stream"
+                )
         except wire.WireError as exc:
             self.on_dead_letter(self.stream)
             with contextlib.suppress(RedisError, OSError):
                 await transport.dead_letter(self.redis, self.dead_letters, entry, str(exc))
             return
-        queue = self.queues.get(out.req_id)
-        if queue is not None:
-            queue.put_nowait(out)
+        for out in msg.outputs if isinstance(msg, OutputBatch) else (msg,):
+            queue = self.queues.get(out.req_id)
+            if queue is not None:
+                queue.put_nowait(out)

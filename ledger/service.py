@@ -40,6 +40,7 @@ from services.messages import (
     AbortRequest,
     GenerateRequest,
     LedgerStatus,
+    OutputBatch,
     RequestOutput,
     StepResult,
     WorkerHello,
@@ -204,12 +205,13 @@ class LedgerService:
                 await self._workers_changed("worker membership changed")
             if not scheduler.has_unfinished_requests() or not self.workers:
                 await self._flush_outputs()
+                self.telemetry.update_metrics(scheduler, self.manager)
                 await self._wait_for_intake(0.5 if self.workers else 0.2)
                 continue
             out = scheduler.schedule()
-            self.telemetry.on_schedule(out, self.manager)
-            await self._publish_events(self.manager.take_events())
             if out.is_empty:
+                self.telemetry.on_schedule(out, self.manager)
+                await self._publish_events(self.manager.take_events())
                 await self._flush_outputs()
                 await self._wait_for_intake(0.05)
                 continue
@@ -220,13 +222,16 @@ class LedgerService:
                 build_step_message(out, self.epoch, self.cfg.block_size),
                 maxlen=10_000,
             )
-            await self._flush_outputs()  # the previous step's tokens, while the workers compute
+            # While the workers compute: spans, KV events, the previous step's tokens, metrics.
+            self.telemetry.on_schedule(out, self.manager)
+            await self._publish_events(self.manager.take_events())
+            await self._flush_outputs()
+            self.telemetry.update_metrics(scheduler, self.manager)
             sampled = await self._await_results(out)
             if sampled is None:
                 await self._workers_changed("a step failed on a worker")
                 continue
             self.unsent = scheduler.update_from_output(out, sampled)
-            self.telemetry.update_metrics(scheduler, self.manager)
             if self.metrics is not None:
                 self.metrics.record_step(time.monotonic() - started)
         await self._flush_outputs()
@@ -361,11 +366,19 @@ class LedgerService:
         updates, self.unsent = self.unsent, []
         if not updates:
             return
+        by_gateway: dict[str, list[RequestOutput]] = {}
+        for update in updates:
+            out = request_output(update.request, update.new_token_ids, update.finish_reason)
+            by_gateway.setdefault(update.request.payload.msg.gateway_id, []).append(out)
         async with self.r.pipeline(transaction=False) as pipe:
-            for update in updates:
-                out = request_output(update.request, update.new_token_ids, update.finish_reason)
-                stream = self.streams.outputs(update.request.payload.msg.gateway_id)
-                pipe.xadd(stream, {transport.FIELD: encode(out)}, maxlen=100_000, approximate=True)
+            for gateway_id, outs in by_gateway.items():
+                batch = encode(OutputBatch(outputs=outs))
+                pipe.xadd(
+                    self.streams.outputs(gateway_id),
+                    {transport.FIELD: batch},
+                    maxlen=100_000,
+                    approximate=True,
+                )
             await pipe.execute()
         for update in updates:
             if update.finished:

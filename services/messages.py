@@ -4,7 +4,7 @@ Streams (names in `services.config.StreamNames`):
   requests  gateway -> ledger   GenerateRequest, AbortRequest
   steps     ledger  -> workers  StepMessage (one per scheduler step), WorkerShutdown
   results   workers -> ledger   WorkerHello (registration with capacity), StepResult
-  outputs   ledger  -> gateway  RequestOutput (one stream per gateway)
+  outputs   ledger  -> gateway  OutputBatch per step, RequestOutput for aborts (one stream per gateway)
 The KV-events stream is not here: it carries vLLM's own `KVEventBatch` bytes (`ledger.events`).
 """
 
@@ -135,6 +135,13 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prefix-cache hit at (first) admission, in tokens
     num_preemptions: int = 0
     error: str | None = None
+
+
+@message("outputs")
+class OutputBatch:
+    """One step's outputs for one gateway, in one stream entry (one XADD, one read, one decode)."""
+
+    outputs: list[RequestOutput]
 
 
 @message("ledger_status")

@@ -17,7 +17,13 @@ from gpu_worker.service import WorkerService
 from ledger.service import LedgerService
 from services import transport, wire
 from services.config import LedgerConfig, WorkerConfig
-from services.messages import AbortRequest, GenerateRequest, RequestOutput, SamplingParams
+from services.messages import (
+    AbortRequest,
+    GenerateRequest,
+    OutputBatch,
+    RequestOutput,
+    SamplingParams,
+)
 
 GATEWAY = "test-gateway"
 
@@ -132,12 +138,16 @@ class Stack:
                 self.r, self.streams.outputs(GATEWAY), last, block_ms=500
             ):
                 last = entry_id
-                out = wire.decode(fields[transport.FIELD], RequestOutput)
-                result = self.results.setdefault(out.req_id, Result())
-                assert out.position <= len(result.tokens), f"gap in {out.req_id}'s outputs"
-                result.tokens.extend(out.new_token_ids[len(result.tokens) - out.position :])
-                if out.finished:
-                    result.final = out
+                msg = wire.decode(fields[transport.FIELD])
+                for out in msg.outputs if isinstance(msg, OutputBatch) else [msg]:
+                    self._apply(out)
+
+    def _apply(self, out: RequestOutput) -> None:
+        result = self.results.setdefault(out.req_id, Result())
+        assert out.position <= len(result.tokens), f"gap in {out.req_id}'s outputs"
+        result.tokens.extend(out.new_token_ids[len(result.tokens) - out.position :])
+        if out.finished:
+            result.final = out
 
     async def wait(self, req_ids, timeout: float = 60.0) -> dict[str, Result]:
         deadline = time.monotonic() + timeout

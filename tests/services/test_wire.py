@@ -1,0 +1,92 @@
+"""The wire codec: round trips, and errors that name the offending field."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from services.messages import (
+    NewRequestData,
+    OutputBatch,
+    RequestOutput,
+    SamplingParams,
+    StepMessage,
+)
+from services.wire import WIRE_VERSION, WireError, decode, encode
+
+
+def step() -> StepMessage:
+    new = NewRequestData(
+        req_id="a",
+        token_ids=[1, 2, 3],
+        num_prompt_tokens=3,
+        block_ids=[4],
+        num_computed_tokens=0,
+        sampling=SamplingParams(temperature=0.5, seed=7),
+    )
+    return StepMessage(step_id=3, epoch="e.1", new_reqs=[new], cached_reqs=[], num_scheduled_tokens={"a": 3},
+                       finished_req_ids=["z"], preempted_req_ids=[], block_size=16)  # fmt: skip
+
+
+def raw(msg) -> dict:
+    return msgpack.unpackb(encode(msg))
+
+
+def test_round_trip_keeps_every_field():
+    assert decode(encode(step())) == step()
+    batch = OutputBatch(outputs=[RequestOutput(req_id="a", new_token_ids=[5], position=2)])
+    assert decode(encode(batch), OutputBatch) == batch
+    assert raw(step())["v"] == WIRE_VERSION and raw(step())["kind"] == "step"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: b.pop("epoch"), "field 'epoch': missing"),
+        (
+            lambda b: b["new_reqs"][0].__setitem__("block_ids", [1, "x"]),
+            "field 'new_reqs[0].block_ids[1]': expected int, got str",
+        ),
+        (
+            lambda b: b["new_reqs"][0]["sampling"].__setitem__("temperature", "hot"),
+            "field 'new_reqs[0].sampling.temperature': expected a number",
+        ),
+        (
+            lambda b: b["new_reqs"][0]["sampling"].__setitem__("seed", 1.5),
+            "field 'new_reqs[0].sampling.seed': expected int, got float",
+        ),
+        (
+            lambda b: b.__setitem__("num_scheduled_tokens", {"a": "3"}),
+            "field 'num_scheduled_tokens['a']'",
+        ),
+        (lambda b: b.__setitem__("step_id", True), "field 'step_id': expected int, got bool"),
+        (lambda b: b.__setitem__("v", 99), "unsupported wire version 99"),
+        (lambda b: b.__setitem__("kind", "nope"), "unknown message kind 'nope'"),
+    ],
+)
+def test_a_bad_message_names_its_field(mutate, message):
+    body = raw(step())
+    mutate(body)
+    with pytest.raises(WireError) as err:
+        decode(msgpack.packb(body))
+    assert message in str(err.value)
+
+
+def test_expecting_one_kind_refuses_another():
+    with pytest.raises(WireError, match="expected 'result', got 'step'"):
+        from services.messages import StepResult
+
+        decode(encode(step()), StepResult)
+
+
+def test_non_msgpack_and_non_maps_are_refused():
+    with pytest.raises(WireError, match="not msgpack"):
+        decode(b"\xc1")
+    with pytest.raises(WireError, match="expected a msgpack map"):
+        decode(msgpack.packb([1, 2]))
+
+
+def test_an_int_is_accepted_where_a_float_is_declared():
+    body = raw(SamplingParams())
+    body["temperature"] = 1
+    assert decode(msgpack.packb(body)).temperature == 1.0
