@@ -260,6 +260,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last[rows]])
         sampling = [chunks[i] for i in rows]
         tokens = sample(logits, [self._sample_request(c.state) for c in sampling], self._generator)
+        # The worker keeps what it sampled: the next step computes that token without waiting
+        # for the ledger to send it back (which is what lets the ledger run a step ahead).
+        for c, token in zip(sampling, tokens, strict=True):
+            c.state.token_ids.append(token)
         sampled = {c.req_id: t for c, t in zip(sampling, tokens, strict=True)}
         return StepOutput(sampled, logits, len(input_ids))
 

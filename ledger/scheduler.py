@@ -379,6 +379,7 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that stops short samples nothing
             request.append_output_token_ids(token)
+            request.num_tokens_sent += 1  # the workers sampled it: they know it already
             if self._check_stop(request):
                 self.running.remove(request)
                 self._free_request(request)

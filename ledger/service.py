@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 import uuid
 
@@ -340,6 +341,10 @@ class LedgerService:
         if problem is None and msg.req_id in self.scheduler.requests:
             problem = f"req_id {msg.req_id!r} is already running"
         if problem is None:
+            if msg.sampling.seed is None:
+                # Every worker of the group must draw the same tokens (each keeps its own copy),
+                # and a recomputed request then draws what it drew before the preemption.
+                msg.sampling.seed = secrets.randbits(63)
             request = request_from_message(msg, entry, self.hasher, self.cfg.block_size)
             try:
                 self.scheduler.add_request(request)

@@ -61,7 +61,7 @@ class CachedRequestData:
     """A running request the workers already hold: only what changed since its last step."""
 
     req_id: str
-    new_token_ids: list[int]  # tokens appended since the workers last saw it (sampled last step)
+    new_token_ids: list[int]  # tokens the workers do not know yet (not those they sampled)
     new_block_ids: list[int]  # blocks appended to its block table this step
     num_computed_tokens: int
     traceparent: str | None = None
@@ -74,7 +74,9 @@ class StepMessage:
     For each scheduled request the workers process tokens
     `all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[req_id]]`,
     write their K/V into slots `block_id * block_size + offset`, and sample one token for every
-    request whose chunk reaches the end of its known tokens.
+    request whose chunk reaches the end of its known tokens. A worker appends the tokens it samples
+    to its own copy of the request, so the next step can compute them before the ledger has seen
+    them; every request carries a seed, so all workers of a group sample the same tokens.
     """
 
     step_id: int

@@ -102,9 +102,8 @@ class MiniLedger:
             seq = self.seqs[req_id]
             seq.num_computed_tokens += n
             self._cache_full_blocks(seq)
-            if req_id in out.sampled:
+            if req_id in out.sampled:  # the worker keeps what it sampled: nothing to send back
                 seq.token_ids.append(out.sampled[req_id])
-                seq.unsent_tokens = [out.sampled[req_id]]
         return out
 
     def preempt(self, req_id: str) -> None:

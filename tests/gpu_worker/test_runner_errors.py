@@ -79,17 +79,21 @@ def test_out_of_range_token_and_block_ids(runner):
 
 def test_a_refused_step_changes_nothing_and_the_next_one_runs(runner):
     before = snapshot(runner)
-    good = CachedRequestData("a", [65], [], 5)
+    first = runner.requests["a"].token_ids[-1]  # the fixture's step sampled it, the worker kept it
+    good = CachedRequestData("a", [], [], 5)
     with pytest.raises(StepError, match="request c"):
         runner.execute(step([new("c", [1, 2], [99])], cached=[good], scheduled={"a": 1, "c": 2}))
     assert_unchanged(runner, before)
-    assert set(runner.execute(step(cached=[good], scheduled={"a": 1}))) == {"a"}
-    assert runner.requests["a"].token_ids == [256, 1, 2, 3, 4, 65]
+    sampled = runner.execute(step(cached=[good], scheduled={"a": 1}))
+    assert set(sampled) == {"a"}
+    # The worker keeps the token it sampled: the next step computes it without a resend.
+    assert runner.requests["a"].token_ids == [256, 1, 2, 3, 4, first, sampled["a"]]
 
 
 def test_more_tokens_than_known_and_zero_tokens_are_refused(runner):
-    with pytest.raises(StepError, match=r"request a: cannot compute tokens 5\.\.6: it has 6 known"):
-        runner.execute(step(cached=[CachedRequestData("a", [65], [3], 5)], scheduled={"a": 2}))
+    # 5 prompt tokens, the one sampled by the fixture's step, and 65 sent now: 7 known.
+    with pytest.raises(StepError, match=r"request a: cannot compute tokens 5\.\.7: it has 7 known"):
+        runner.execute(step(cached=[CachedRequestData("a", [65], [3], 5)], scheduled={"a": 3}))
     with pytest.raises(StepError, match="request a: scheduled with 0 tokens"):
         runner.execute(step(scheduled={"a": 0}))
 
@@ -117,6 +121,7 @@ def test_finished_and_preempted_ids_drop_state(runner):
 
 def test_new_request_replaces_held_state(runner):
     resumed = new("a", [256, 9, 9], [6])
-    assert set(runner.execute(step([resumed], scheduled={"a": 3}))) == {"a"}
-    assert runner.requests["a"].token_ids == [256, 9, 9]
+    sampled = runner.execute(step([resumed], scheduled={"a": 3}))
+    assert set(sampled) == {"a"}
+    assert runner.requests["a"].token_ids == [256, 9, 9, sampled["a"]]
     assert runner.requests["a"].block_ids == [6]
