@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -166,33 +167,15 @@ def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
 # ---------------------------------------------------------------- the service split, over HTTP
 
 
-async def run_split(work: Workload, args: argparse.Namespace) -> Report:
-    import aiohttp
-
+@contextlib.contextmanager
+def split_stack(args: argparse.Namespace):
+    """`kvledger up` in a subprocess, serving until the block ends; yields its base URL."""
     port = free_port()
     env = dict(os.environ, KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000")
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--num-gpu-blocks-override",
-        str(args.num_blocks),
-        "--kv-cache-memory-bytes",
-        "512MiB",
-        "--block-size",
-        str(args.block_size),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-    ]
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--device", "cpu",
+           "--num-gpu-blocks-override", str(args.num_blocks), "--kv-cache-memory-bytes", "512MiB",
+           "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
@@ -200,57 +183,66 @@ async def run_split(work: Workload, args: argparse.Namespace) -> Report:
                 break
         else:
             raise RuntimeError("kvledger up exited before serving")
-        base = f"http://127.0.0.1:{port}"
-        report = Report(f"service split (HTTP{' SSE' if args.stream else ''} + Redis)", 0.0, len(work.prompts), 0)
-        semaphore = asyncio.Semaphore(args.concurrency)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-
-            async def one(prompt: list[int], max_tokens: int) -> None:
-                async with semaphore:
-                    body = {
-                        "model": "kvledger-tiny-llama",
-                        "prompt": prompt,
-                        "max_tokens": max_tokens,
-                        "stream": args.stream,
-                        "ignore_eos": True,
-                        "temperature": 0,
-                    }
-                    start = last = time.perf_counter()
-                    first = True
-                    async with session.post(f"{base}/v1/completions", json=body) as resp:
-                        resp.raise_for_status()
-                        if not args.stream:
-                            data = await resp.json()
-                            report.ttft_s.append(time.perf_counter() - start)  # whole request, unstreamed
-                            report.output_tokens += data["usage"]["completion_tokens"]
-                            return
-                        async for raw in resp.content:
-                            line = raw.decode().strip()
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
-                            chunk = json.loads(line[6:])
-                            if not chunk["choices"] or not chunk["choices"][0].get("text"):
-                                continue
-                            now = time.perf_counter()
-                            (report.ttft_s if first else report.itl_s).append(
-                                now - (start if first else last)
-                            )
-                            first, last = False, now
-                            report.output_tokens += 1
-
-            started = time.perf_counter()
-            await asyncio.gather(
-                *(one(p, m) for p, m in zip(work.prompts, work.max_tokens, strict=True))
-            )
-            report.wall_s = time.perf_counter() - started
-            text = await (await session.get(f"{base}/metrics")).text()
-        report.prefix_queries = int(_metric(text, "vllm:prefix_cache_queries_total"))
-        report.prefix_hits = int(_metric(text, "vllm:prefix_cache_hits_total"))
-        report.preemptions = int(_metric(text, "vllm:num_preemptions_total"))
-        return report
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+async def run_split(base: str, work: Workload, args: argparse.Namespace) -> Report:
+    import aiohttp
+
+    report = Report(
+        f"service split (HTTP{' SSE' if args.stream else ''} + Redis)", 0.0, len(work.prompts), 0
+    )
+    semaphore = asyncio.Semaphore(args.concurrency)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+
+        async def one(prompt: list[int], max_tokens: int) -> None:
+            async with semaphore:
+                body = {
+                    "model": "kvledger-tiny-llama",
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "stream": args.stream,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                }
+                start = last = time.perf_counter()
+                first = True
+                async with session.post(f"{base}/v1/completions", json=body) as resp:
+                    resp.raise_for_status()
+                    if not args.stream:
+                        data = await resp.json()
+                        report.ttft_s.append(
+                            time.perf_counter() - start
+                        )  # whole request, unstreamed
+                        report.output_tokens += data["usage"]["completion_tokens"]
+                        return
+                    async for raw in resp.content:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if not chunk["choices"] or not chunk["choices"][0].get("text"):
+                            continue
+                        now = time.perf_counter()
+                        (report.ttft_s if first else report.itl_s).append(
+                            now - (start if first else last)
+                        )
+                        first, last = False, now
+                        report.output_tokens += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(
+            *(one(p, m) for p, m in zip(work.prompts, work.max_tokens, strict=True))
+        )
+        report.wall_s = time.perf_counter() - started
+        text = await (await session.get(f"{base}/metrics")).text()
+    report.prefix_queries = int(_metric(text, "vllm:prefix_cache_queries_total"))
+    report.prefix_hits = int(_metric(text, "vllm:prefix_cache_hits_total"))
+    report.preemptions = int(_metric(text, "vllm:num_preemptions_total"))
+    return report
 
 
 def _metric(text: str, name: str) -> float:
@@ -276,8 +268,15 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-stream", dest="stream", action="store_false",
-                        help="non-streaming requests: measures throughput without per-token SSE work")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds; the median ratio is reported"
+    )
+    parser.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="non-streaming requests: measures throughput without per-token SSE work",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     work = make_workload(
@@ -288,8 +287,25 @@ def main() -> int:
         f"{sum(map(len, work.prompts)):,} prompt tokens, {sum(work.max_tokens):,} output tokens",
         flush=True,
     )
-    baseline = run_in_process(work, args)
-    split = asyncio.run(run_split(work, args))
+    baselines, splits = [], []
+    with split_stack(args) as base:
+        for i in range(args.repeats):
+            # Each round a fresh workload (its own prefixes): both modes start with a cold cache.
+            work = make_workload(args.requests, args.seed + i, args.prompt_mean, args.output_mean,
+                                 args.prefixes, args.prefix_len)  # fmt: skip
+            baselines.append(run_in_process(work, args))
+            splits.append(asyncio.run(run_split(base, work, args)))
+            r = (splits[-1].output_tokens / splits[-1].wall_s) / (
+                baselines[-1].output_tokens / baselines[-1].wall_s
+            )
+            print(f"  round {i + 1}: split/in-process = {r:.1%}", flush=True)
+    ratios = sorted(
+        (sp.output_tokens / sp.wall_s) / (b.output_tokens / b.wall_s)
+        for b, sp in zip(baselines, splits, strict=True)
+    )
+    median = len(ratios) // 2
+    order = sorted(range(len(splits)), key=lambda i: splits[i].output_tokens / splits[i].wall_s)
+    baseline, split = baselines[order[median]], splits[order[median]]
     print(
         format_table(
             [
@@ -306,8 +322,11 @@ def main() -> int:
             [baseline.row(), split.row()],
         )
     )
-    ratio = (split.output_tokens / split.wall_s) / (baseline.output_tokens / baseline.wall_s)
-    print(f"\nthe split keeps {ratio:.1%} of the in-process output throughput (target: >= 85%)")
+    ratio = ratios[median]
+    print(
+        f"\nthe split keeps {ratio:.1%} of the in-process output throughput, median of "
+        f"{len(ratios)} rounds {[f'{r:.1%}' for r in ratios]} (target: >= 85%)"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(

@@ -98,41 +98,53 @@ class WorkerService:
             await asyncio.sleep(self.cfg.heartbeat_s)
 
     async def _loop(self) -> None:
+        entries: list[transport.Entry] = []
         while True:
-            entries = await self.reader.read(count=1, block_ms=1000)
-            for entry in entries:
-                try:
-                    msg = transport.decode_entry(entry)
-                except WireError as exc:
-                    await transport.dead_letter(
-                        self.r, self.cfg.streams.dead_letters, entry, str(exc)
-                    )
-                    await self.reader.ack([entry])
-                    continue
-                if isinstance(msg, WorkerShutdown):
-                    log.info("worker_shutdown", reason=msg.reason)
-                    await self.reader.ack([entry])
-                    return
-                if not isinstance(msg, StepMessage):
-                    await transport.dead_letter(
-                        self.r,
-                        self.cfg.streams.dead_letters,
-                        entry,
-                        f"field 'kind': {msg.KIND!r} does not belong on a step stream",
-                    )
-                    await self.reader.ack([entry])
-                    continue
-                result = await self._execute(msg)
-                # The result and the ack in one round trip: the ledger is waiting on it.
-                async with self.r.pipeline(transaction=False) as pipe:
-                    pipe.xadd(
-                        self.cfg.streams.results,
-                        {transport.FIELD: encode(result)},
-                        maxlen=10_000,
-                        approximate=True,
-                    )
-                    pipe.xack(self.steps_stream, self.reader.group, entry.entry_id)
-                    await pipe.execute()
+            if not entries:
+                entries = await self.reader.read(count=4, block_ms=1000)
+                continue
+            entry = entries.pop(0)
+            try:
+                msg = transport.decode_entry(entry)
+                if not isinstance(msg, StepMessage | WorkerShutdown):
+                    raise WireError(f"field 'kind': {msg.KIND!r} does not belong on a step stream")
+            except WireError as exc:
+                await transport.dead_letter(self.r, self.cfg.streams.dead_letters, entry, str(exc))
+                await self.reader.ack([entry])
+                continue
+            if isinstance(msg, WorkerShutdown):
+                log.info("worker_shutdown", reason=msg.reason)
+                await self.reader.ack([entry])
+                return
+            result = await self._execute(msg)
+            entries.extend(await self._reply(entry, result, read_next=not entries))
+
+    async def _reply(
+        self, entry: transport.Entry, result: StepResult, read_next: bool
+    ) -> list[transport.Entry]:
+        """The result, the ack and (without blocking) the next step in one round trip: with the
+        ledger a step ahead, the next step is usually waiting already."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.xadd(
+                self.cfg.streams.results,
+                {transport.FIELD: encode(result)},
+                maxlen=10_000,
+                approximate=True,
+            )
+            pipe.xack(self.steps_stream, self.reader.group, entry.entry_id)
+            if read_next:
+                pipe.xreadgroup(
+                    self.reader.group, self.reader.consumer, {self.steps_stream: ">"}, count=4
+                )
+            replies = await pipe.execute()
+        if not read_next:
+            return []
+        return [
+            transport.Entry(stream, entry_id, fields)
+            for stream, items in transport.normalize_reply(replies[-1])
+            for entry_id, fields in items
+            if fields is not None
+        ]
 
     async def _execute(self, step: StepMessage) -> StepResult:
         started = time.perf_counter()

@@ -84,6 +84,8 @@ class Request:
         self.num_cached_tokens = -1
         # How many of all_token_ids the workers have been sent (for CachedRequestData).
         self.num_tokens_sent = 0
+        # Tokens the workers are sampling in steps still in flight (async scheduling only).
+        self.num_output_placeholders = 0
 
         self.block_size = block_size
         self.block_hasher = block_hasher

@@ -27,6 +27,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority"
     long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
+    # Schedule step N+1 before step N's tokens are back (vLLM's async scheduling): each request
+    # that samples in a step in flight counts one placeholder token, which the workers supply.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -92,6 +95,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests whose chunk reaches their last token: each samples one token in this step.
+    sampling_req_ids: set[str] = field(default_factory=set)
     # What happened to blocks this step, for traces and metrics.
     admissions: list[Admission] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
@@ -230,6 +235,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
+            if self._has_all_outputs_in_flight(request):
+                index += 1
+                continue
             num_new_tokens = self._num_new_tokens(
                 request, request.num_computed_tokens, token_budget, threshold
             )
@@ -331,13 +339,26 @@ class Scheduler:
             )
             request.num_tokens_sent = request.num_tokens
         for request_id, num_tokens in out.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                out.sampling_req_ids.add(request_id)
+                if self.config.async_scheduling:
+                    request.num_output_placeholders += 1
         return out
+
+    def _has_all_outputs_in_flight(self, request: Request) -> bool:
+        """Async scheduling: the tokens still being sampled already finish the request."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.config.max_model_len
+        )
 
     def _num_new_tokens(
         self, request: Request, num_computed: int, token_budget: int, threshold: int
     ) -> int:
-        num_new = request.num_tokens - num_computed
+        num_new = request.num_tokens + request.num_output_placeholders - num_computed
         if 0 < threshold < num_new:
             num_new = threshold
         # Leave room for the token this step samples.
@@ -353,6 +374,7 @@ class Scheduler:
         num_freed = self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -369,19 +391,30 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, int]
     ) -> list[RequestUpdate]:
-        """Append each sampled token, stop finished requests and free their blocks."""
+        """Append each sampled token, stop finished requests and free their blocks.
+
+        With async scheduling a later step may already be in flight: a request preempted since
+        this step was sent still gets its token (the workers computed it before dropping the
+        request), and a request that stops here was scheduled once more for nothing.
+        """
         updates = []
         for request_id in out.num_scheduled_tokens:
+            if request_id not in out.sampling_req_ids:
+                continue  # a prefill chunk that stops short samples nothing
             request = self.requests.get(request_id)
             token = sampled.get(request_id)
-            if request is None or token is None or request.status != RequestStatus.RUNNING:
+            if request is None or token is None:
                 continue  # aborted meanwhile
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk that stops short samples nothing
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            was_running = request.status == RequestStatus.RUNNING
             request.append_output_token_ids(token)
             request.num_tokens_sent += 1  # the workers sampled it: they know it already
             if self._check_stop(request):
-                self.running.remove(request)
+                if was_running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 self._free_request(request)
                 updates.append(
                     RequestUpdate(

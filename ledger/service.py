@@ -10,6 +10,7 @@ hand what they read to the engine loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import secrets
 import time
@@ -170,6 +171,7 @@ class LedgerService:
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 policy=cfg.policy,
+                async_scheduling=cfg.async_scheduling,
             ),
             self.manager,
         )
@@ -197,42 +199,51 @@ class LedgerService:
     # ------------------------------------------------------------------ the engine loop
 
     async def _engine_loop(self) -> None:
+        """Schedule, dispatch, apply. With async scheduling two steps are in flight: the ledger
+        schedules and dispatches step N+1 while the workers compute step N, so the round trips
+        through Redis overlap the compute instead of adding to it."""
         scheduler = self.scheduler
         assert scheduler is not None and self.manager is not None and self.telemetry is not None
+        depth = 2 if self.cfg.async_scheduling else 1
+        in_flight: collections.deque[tuple[SchedulerOutput, float]] = collections.deque()
         while not self.stopping.is_set():
             await self._drain_intake()
             if self.membership_changed:
+                in_flight.clear()  # their results belong to the old epoch
                 await self._flush_outputs()
                 await self._workers_changed("worker membership changed")
-            if not scheduler.has_unfinished_requests() or not self.workers:
+            if not in_flight and (not scheduler.has_unfinished_requests() or not self.workers):
                 await self._flush_outputs()
                 self.telemetry.update_metrics(scheduler, self.manager)
                 await self._wait_for_intake(0.5 if self.workers else 0.2)
                 continue
-            out = scheduler.schedule()
-            if out.is_empty:
+            if len(in_flight) < depth and self.workers and scheduler.has_unfinished_requests():
+                out = scheduler.schedule()
+                if not out.is_empty:
+                    await transport.append(
+                        self.r,
+                        self.streams.steps(self.cfg.group),
+                        build_step_message(out, self.epoch, self.cfg.block_size),
+                        maxlen=10_000,
+                    )
+                    in_flight.append((out, time.monotonic()))
+                # While the workers compute: spans, KV events, the last tokens, metrics.
                 self.telemetry.on_schedule(out, self.manager)
                 await self._publish_events(self.manager.take_events())
                 await self._flush_outputs()
+                self.telemetry.update_metrics(scheduler, self.manager)
+                if not out.is_empty and len(in_flight) < depth:
+                    continue  # fill the pipeline before waiting
+            if not in_flight:
                 await self._wait_for_intake(0.05)
                 continue
-            started = time.monotonic()
-            await transport.append(
-                self.r,
-                self.streams.steps(self.cfg.group),
-                build_step_message(out, self.epoch, self.cfg.block_size),
-                maxlen=10_000,
-            )
-            # While the workers compute: spans, KV events, the previous step's tokens, metrics.
-            self.telemetry.on_schedule(out, self.manager)
-            await self._publish_events(self.manager.take_events())
-            await self._flush_outputs()
-            self.telemetry.update_metrics(scheduler, self.manager)
+            out, started = in_flight.popleft()
             sampled = await self._await_results(out)
             if sampled is None:
+                in_flight.clear()
                 await self._workers_changed("a step failed on a worker")
                 continue
-            self.unsent = scheduler.update_from_output(out, sampled)
+            self.unsent.extend(scheduler.update_from_output(out, sampled))
             if self.metrics is not None:
                 self.metrics.record_step(time.monotonic() - started)
         await self._flush_outputs()
@@ -275,12 +286,7 @@ class LedgerService:
                 return None
         primary = results[min(expected_workers)]
         assert self.scheduler is not None
-        want = {
-            rid
-            for rid in out.num_scheduled_tokens
-            if (req := self.scheduler.requests.get(rid)) is not None
-            and req.num_computed_tokens >= req.num_tokens
-        }
+        want = out.sampling_req_ids
         if set(primary.sampled_token_ids) != want:
             log.error(
                 "step_result_mismatch",

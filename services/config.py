@@ -36,6 +36,7 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": "replace the profiled block count (benchmarks, tests)",
     "KVLEDGER_WATERMARK": "share of blocks kept free when admitting waiting requests (default 0)",
     "KVLEDGER_SCHEDULING_POLICY": "fcfs or priority (default fcfs)",
+    "KVLEDGER_ASYNC_SCHEDULING": "1 to schedule a step ahead of the workers (default), 0 for lock-step",
     "KVLEDGER_PREFIX_CACHING": "1 to enable prefix caching, 0 to disable (default 1)",
     "KVLEDGER_HASH_ALGO": "sha256, sha256_cbor, xxhash or xxhash_cbor (default sha256)",
     "KVLEDGER_NUM_WORKERS": "workers the ledger waits for before it sizes the pool (default 1)",
@@ -210,6 +211,12 @@ class LedgerConfig(CommonConfig, EngineShape):
         "KVLEDGER_WATERMARK", 0.0, "share of blocks kept free at admission", float
     )
     policy: str = _opt("KVLEDGER_SCHEDULING_POLICY", "fcfs", "fcfs or priority")
+    async_scheduling: bool = _opt(
+        "KVLEDGER_ASYNC_SCHEDULING",
+        True,
+        "schedule the next step while the workers run this one",
+        _bool,
+    )
     num_gpu_blocks_override: int | None = _opt(
         "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE",
         None,

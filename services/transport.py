@@ -103,7 +103,7 @@ class GroupReader:
     async def _read(self, ids: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
         reply = await self.r.xreadgroup(self.group, self.consumer, ids, count=count, block=block_ms)
         entries = []
-        for stream, items in _normalize(reply):
+        for stream, items in normalize_reply(reply):
             for entry_id, fields in items:
                 if fields is None:  # pending entry trimmed away meanwhile: nothing to redo
                     await self.r.xack(stream, self.group, entry_id)
@@ -131,7 +131,7 @@ class GroupReader:
         return claimed
 
 
-def _normalize(reply: Any) -> list[tuple[str, list]]:
+def normalize_reply(reply: Any) -> list[tuple[str, list]]:
     # redis-py answers XREAD(GROUP) as a list of [stream, entries] under RESP2, a dict under RESP3.
     if not reply:
         return []
@@ -149,6 +149,6 @@ async def read_from(
     """Plain XREAD (no group) after `last_id`: for readers that keep their own position."""
     reply = await r.xread({stream: last_id}, count=count, block=block_ms)
     out = []
-    for _, items in _normalize(reply):
+    for _, items in normalize_reply(reply):
         out.extend(items)
     return out
