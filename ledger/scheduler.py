@@ -9,14 +9,20 @@ at the first request that does not fit. The whole policy is `schedule()`, read t
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ledger.block_pool import Eviction
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import Request, RequestStatus
+from ledger.request_queue import WaitingQueue
+from ledger.scheduler_output import (
+    Admission,
+    CachedRequestData,
+    NewRequestData,
+    Preemption,
+    RequestUpdate,
+    SchedulerOutput,
+)
 
 
 @dataclass(slots=True)
@@ -46,120 +52,6 @@ class SchedulerConfig:
                 "max_num_batched_tokens and makes the scheduler reject longer sequences. Please "
                 "increase max_num_batched_tokens or decrease max_model_len."
             )
-
-
-@dataclass(slots=True)
-class NewRequestData:
-    """A request the workers have not seen (new, or resumed after preemption): all its blocks."""
-
-    request: Request
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class CachedRequestData:
-    """A running request: only the tokens and blocks appended since its last step."""
-
-    request: Request
-    new_token_ids: list[int]
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class Admission:
-    request_id: str
-    resumed: bool
-    num_hit_tokens: int
-    num_hit_blocks: int
-    num_new_blocks: int
-    num_free_blocks_after: int
-    watermark_applied: bool
-
-
-@dataclass(slots=True)
-class Preemption:
-    request_id: str
-    caused_by: str  # the running request that could not grow
-    num_blocks_freed: int
-    reason: str = "kv_cache_full"
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    step_id: int
-    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    finished_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: list[str] = field(default_factory=list)
-    # Requests whose chunk reaches their last token: each samples one token in this step.
-    sampling_req_ids: set[str] = field(default_factory=set)
-    # What happened to blocks this step, for traces and metrics.
-    admissions: list[Admission] = field(default_factory=list)
-    preemptions: list[Preemption] = field(default_factory=list)
-    evictions: dict[str, list[Eviction]] = field(default_factory=dict)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """One request's result of a step: the token it got and whether it finished."""
-
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-
-
-class WaitingQueue:
-    """FCFS (a deque) or priority (a heap ordered by Request.__lt__) waiting queue."""
-
-    def __init__(self, policy: str) -> None:
-        self.priority = policy == "priority"
-        self._fcfs: deque[Request] = deque()
-        self._heap: list[Request] = []
-
-    def add(self, request: Request) -> None:
-        if self.priority:
-            heapq.heappush(self._heap, request)
-        else:
-            self._fcfs.append(request)
-
-    def prepend(self, request: Request) -> None:
-        """A preempted request goes back to the front (its own priority decides in a heap)."""
-        if self.priority:
-            heapq.heappush(self._heap, request)
-        else:
-            self._fcfs.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._heap[0] if self.priority else self._fcfs[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap) if self.priority else self._fcfs.popleft()
-
-    def remove(self, request: Request) -> None:
-        if self.priority:
-            self._heap.remove(request)
-            heapq.heapify(self._heap)
-        else:
-            self._fcfs.remove(request)
-
-    def __iter__(self):
-        return iter(sorted(self._heap) if self.priority else self._fcfs)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.priority else len(self._fcfs)
 
 
 class Scheduler:
@@ -471,3 +363,16 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
+
+
+__all__ = [
+    "Admission",
+    "CachedRequestData",
+    "NewRequestData",
+    "Preemption",
+    "RequestUpdate",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "WaitingQueue",
+]

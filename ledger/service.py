@@ -17,7 +17,6 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
-from aiohttp import web
 
 from ledger.event_stream import KVEventStream
 from ledger.events import AllBlocksCleared
@@ -25,6 +24,7 @@ from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import Request, RequestStatus
 from ledger.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.step_results import StepResults
 from ledger.telemetry import LedgerTelemetry
 from ledger.translate import (
     Tracked,
@@ -35,7 +35,7 @@ from ledger.translate import (
     validate_request,
 )
 from ledger.workers import membership_changes, plan_pool
-from observability import LedgerMetrics, get_logger, metrics_handler, new_registry
+from observability import LedgerMetrics, get_logger, new_registry
 from services import registry, transport
 from services.config import LedgerConfig
 from services.messages import (
@@ -44,7 +44,6 @@ from services.messages import (
     LedgerStatus,
     OutputBatch,
     RequestOutput,
-    StepResult,
     WorkerHello,
 )
 from services.wire import WireError, encode
@@ -68,8 +67,9 @@ class LedgerService:
         self.ready = asyncio.Event()
         self.intake: asyncio.Queue[transport.Entry] = asyncio.Queue()
         self.intake_event = asyncio.Event()
-        self.results: dict[int, dict[str, StepResult]] = {}
-        self.result_event = asyncio.Event()
+        self.step_results = StepResults(
+            r, self.streams.results, lambda: self.epoch, self._dead_letter
+        )
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
         self.tracked: dict[str, Tracked] = {}
@@ -106,7 +106,7 @@ class LedgerService:
         await self._new_generation("ledger start")
         tasks = [
             asyncio.create_task(self._intake_loop(), name="intake"),
-            asyncio.create_task(self._results_loop(), name="results"),
+            asyncio.create_task(self.step_results.read_forever(), name="results"),
             asyncio.create_task(self._status_loop(), name="status"),
         ]
         for task in tasks:
@@ -130,7 +130,7 @@ class LedgerService:
             log.error("background_task_crashed", task=task.get_name(), error=repr(task.exception()))
             self.crashed = task.exception()
             self.stopping.set()
-            self.result_event.set()
+            self.step_results.arrived.set()
             self.intake_event.set()
 
     async def _wait_for_workers(self) -> list[WorkerHello]:
@@ -255,48 +255,10 @@ class LedgerService:
                 await asyncio.wait_for(self.intake_event.wait(), timeout)
 
     async def _await_results(self, out: SchedulerOutput) -> dict[str, int] | None:
-        """The tokens of this step, once every worker of the group answered; None if a worker
-        failed, vanished, restarted or answered something that does not fit the step."""
-        expected_workers = dict(self.workers)
-        deadline = time.monotonic() + self.cfg.step_timeout_s
-        step_id = out.step_id
-        while True:
-            got = self.results.get(step_id, {})
-            if set(expected_workers) <= set(got):
-                break
-            if self.membership_changed or self.stopping.is_set():
-                return None
-            if time.monotonic() > deadline:
-                log.error(
-                    "step_timeout",
-                    step_id=step_id,
-                    waited_s=self.cfg.step_timeout_s,
-                    missing=sorted(set(expected_workers) - set(got)),
-                )
-                return None
-            self.result_event.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.result_event.wait(), 0.5)
-        results = self.results.pop(step_id)
-        for old in [s for s in self.results if s < step_id]:
-            del self.results[old]
-        for worker_id, result in sorted(results.items()):
-            if result.error is not None:
-                log.error("step_failed", step_id=step_id, worker_id=worker_id, error=result.error)
-                return None
-        primary = results[min(expected_workers)]
-        assert self.scheduler is not None
-        want = out.sampling_req_ids
-        if set(primary.sampled_token_ids) != want:
-            log.error(
-                "step_result_mismatch",
-                step_id=step_id,
-                worker_id=primary.worker_id,
-                missing=sorted(want - set(primary.sampled_token_ids)),
-                unexpected=sorted(set(primary.sampled_token_ids) - want),
-            )
-            return None
-        return primary.sampled_token_ids
+        return await self.step_results.wait(
+            out, dict(self.workers), self.cfg.step_timeout_s,
+            give_up=lambda: self.membership_changed or self.stopping.is_set(),
+        )  # fmt: skip
 
     async def _workers_changed(self, reason: str) -> None:
         """The workers' KV data can no longer be trusted: recompute everything from scratch."""
@@ -443,29 +405,6 @@ class LedgerService:
             if entries:
                 self.intake_event.set()
 
-    async def _results_loop(self) -> None:
-        last_id: bytes | str = "0-0"
-        while True:
-            try:
-                items = await transport.read_from(
-                    self.r, self.streams.results, last_id, count=64, block_ms=1000
-                )
-            except aioredis.ConnectionError as exc:
-                log.warning("redis_unavailable", loop="results", error=str(exc))
-                await asyncio.sleep(1)
-                continue
-            for entry_id, fields in items:
-                last_id = entry_id
-                entry = transport.Entry(self.streams.results, entry_id, fields)
-                try:
-                    result = transport.decode_entry(entry, StepResult)
-                except WireError as exc:
-                    await self._dead_letter(entry, str(exc))
-                    continue
-                if result.epoch == self.epoch:
-                    self.results.setdefault(result.step_id, {})[result.worker_id] = result
-                    self.result_event.set()
-
     async def _status_loop(self) -> None:
         while True:
             live = await registry.live_workers(self.r, self.cfg.stream_prefix, self.cfg.group)
@@ -497,24 +436,3 @@ class LedgerService:
             metrics=self.metrics.snapshot().to_dict() if self.metrics else None,
         )
         await self.r.set(self.streams.ledger_status, encode(status), px=5000)
-
-
-def metrics_app(service: LedgerService) -> web.Application:
-    """/metrics (Prometheus) and /health (200 once the pool is sized) on the ledger's own port."""
-    app = web.Application()
-
-    async def health(_: web.Request) -> web.Response:
-        if not service.ready.is_set():
-            return web.json_response({"status": "waiting_for_workers"}, status=503)
-        return web.json_response(
-            {"status": "ok", "epoch": service.epoch, "capacity": service.capacity}
-        )
-
-    async def metrics(request: web.Request) -> web.StreamResponse:
-        if service.metrics is None:
-            return web.Response(status=503, text="the ledger has not sized its pool yet\n")
-        return await metrics_handler(service.metrics.registry)(request)
-
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    return app

@@ -54,7 +54,8 @@ def _service_main(name: str, cls: type):
 def run_ledger(config: LedgerConfig) -> int:
     from aiohttp import web
 
-    from ledger.service import LedgerService, metrics_app
+    from ledger.http import metrics_app
+    from ledger.service import LedgerService
     from ledger.workers import StartupError
     from services.runtime import run_service
 

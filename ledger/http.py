@@ -1,0 +1,33 @@
+"""The ledger's own HTTP port: Prometheus /metrics and a /health for supervisors."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from observability import metrics_handler
+
+if TYPE_CHECKING:
+    from ledger.service import LedgerService
+
+
+def metrics_app(service: LedgerService) -> web.Application:
+    """/metrics (Prometheus) and /health (200 once the pool is sized) on the ledger's own port."""
+    app = web.Application()
+
+    async def health(_: web.Request) -> web.Response:
+        if not service.ready.is_set():
+            return web.json_response({"status": "waiting_for_workers"}, status=503)
+        return web.json_response(
+            {"status": "ok", "epoch": service.epoch, "capacity": service.capacity}
+        )
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        if service.metrics is None:
+            return web.Response(status=503, text="the ledger has not sized its pool yet\n")
+        return await metrics_handler(service.metrics.registry)(request)
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
