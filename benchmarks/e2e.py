@@ -102,8 +102,8 @@ def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
     from services.messages import GenerateRequest, SamplingParams
 
     torch.set_num_threads(1)
-    model = load_model("default", seed=0)
-    runner = ModelRunner(model, args.num_blocks, args.block_size, name="kvledger-tiny-llama")
+    model = load_model(args.model, seed=0)
+    runner = ModelRunner(model, args.num_blocks, args.block_size, name="bench")
     manager = KVCacheManager(
         args.num_blocks, args.block_size, args.max_model_len, enable_caching=True
     )
@@ -172,7 +172,7 @@ def split_stack(args: argparse.Namespace):
     """`kvledger up` in a subprocess, serving until the block ends; yields its base URL."""
     port = free_port()
     env = dict(os.environ, KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000")
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--device", "cpu",
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--device", "cpu", "--model", str(args.model),
            "--num-gpu-blocks-override", str(args.num_blocks), "--kv-cache-memory-bytes", "512MiB",
            "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
@@ -201,12 +201,12 @@ async def run_split(base: str, work: Workload, args: argparse.Namespace) -> Repo
         async def one(prompt: list[int], max_tokens: int) -> None:
             async with semaphore:
                 body = {
-                    "model": "kvledger-tiny-llama",
                     "prompt": prompt,
                     "max_tokens": max_tokens,
                     "stream": args.stream,
                     "ignore_eos": True,
                     "temperature": 0,
+                    "return_token_ids": True,  # count tokens, not text (a byte may print nothing)
                 }
                 start = last = time.perf_counter()
                 first = True
@@ -224,14 +224,19 @@ async def run_split(base: str, work: Workload, args: argparse.Namespace) -> Repo
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         chunk = json.loads(line[6:])
-                        if not chunk["choices"] or not chunk["choices"][0].get("text"):
+                        new = (
+                            len(chunk["choices"][0].get("token_ids") or [])
+                            if chunk["choices"]
+                            else 0
+                        )
+                        if not new:
                             continue
                         now = time.perf_counter()
                         (report.ttft_s if first else report.itl_s).append(
                             now - (start if first else last)
                         )
                         first, last = False, now
-                        report.output_tokens += 1
+                        report.output_tokens += new
 
         started = time.perf_counter()
         await asyncio.gather(
@@ -250,6 +255,19 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def make_small_checkpoint() -> str:
+    """A random Llama big enough that a step is not all Python overhead (needs transformers)."""
+    import tempfile
+
+    from tests.gpu_worker.checkpoints import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(
+        Path(tempfile.mkdtemp(prefix="kvledger-bench-")), hidden_size=512, intermediate_size=1376,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+    )  # fmt: skip
+    return str(folder)
 
 
 def main() -> int:
@@ -277,8 +295,16 @@ def main() -> int:
         action="store_false",
         help="non-streaming requests: measures throughput without per-token SSE work",
     )
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (the tiny seeded Llama), a checkpoint folder, or 'small': a random "
+        "8-layer, 512-wide Llama built with transformers (a step costs about 4x the tiny one's)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.model == "small":
+        args.model = make_small_checkpoint()
     work = make_workload(
         args.requests, args.seed, args.prompt_mean, args.output_mean, args.prefixes, args.prefix_len
     )
