@@ -4,6 +4,7 @@ restart from a checkpoint all end with the ledger's cached hash set."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import Counter
 
 from ledger.hashing import BlockHasher, resolve_none_hash_seed, to_event_hash
@@ -95,5 +96,26 @@ async def test_a_subscriber_whose_position_was_trimmed_away_rebuilds_from_the_sn
         assert again.bootstraps == 1
         await drain(again)
         assert again.index.counts == ledger_cached(stack)
+    finally:
+        await stack.stop()
+
+
+async def test_kvledger_events_prints_one_readable_line_per_event(redis_url, tiny_model, capsys):
+    from services.subscriber import print_events
+
+    stack = await Stack(redis_url, tiny_model, num_blocks=32, max_model_len=160).start()
+    try:
+        await run_wave(stack, "a", prompts(1, 40, seed=30))
+        await print_events(redis_url, stack.prefix, "start", count=2)
+        printed = capsys.readouterr().out.splitlines()
+        lines = [line for line in printed if re.match(r"^\d\d:\d\d:\d\d\.\d{3} +\d+-\d+  ", line)]
+        assert len(lines) == 2
+        assert lines[0].endswith("AllBlocksCleared")
+        cached = {
+            f"{to_event_hash(h):016x}" for h in stack.ledger.manager.block_pool.cached_hashes()
+        }
+        assert "BlockStored    2 block(s) of 16, parent none:" in lines[1]  # the 40-token prompt
+        printed_hashes = lines[1].split(": ", 1)[1].split(", ")
+        assert len(printed_hashes) == 2 and set(printed_hashes) <= cached
     finally:
         await stack.stop()
