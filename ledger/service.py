@@ -104,6 +104,10 @@ class LedgerService:
         hellos = await self._wait_for_workers()
         self._start_engine(hellos)
         await self._new_generation("ledger start")
+        # One ledger serves a group: requests a previous ledger read under another consumer name
+        # and never finished become ours, so the reader's first pass over our pending entries
+        # hands them out once, with our own unfinished ones.
+        await self.requests_reader.claim_stale(min_idle_ms=0)
         tasks = [
             asyncio.create_task(self._intake_loop(), name="intake"),
             asyncio.create_task(self.step_results.read_forever(), name="results"),

@@ -79,7 +79,7 @@ class GroupReader:
         self.streams = list(streams)
         self.group = group
         self.consumer = consumer
-        self._pending_done: set[str] = set()
+        self._pending_cursor: dict[str, str | None] = {s: "0" for s in self.streams}
 
     async def ensure_groups(self, start_id: str = "0") -> None:
         for stream in self.streams:
@@ -90,21 +90,31 @@ class GroupReader:
                     raise
 
     async def read(self, count: int = 128, block_ms: int | None = 1000) -> list[Entry]:
-        pending = [s for s in self.streams if s not in self._pending_done]
+        # First one pass over this consumer's pending list (entries delivered before a restart
+        # and never acked), paging by id so that each is handed out once, then new entries.
+        pending = {s: c for s, c in self._pending_cursor.items() if c is not None}
         if pending:
-            entries = await self._read({s: "0" for s in pending}, count, None)
+            seen: dict[str, bytes] = {}
+            entries = await self._read(pending, count, None, seen)
             for stream in pending:
-                if not any(e.stream == stream for e in entries):
-                    self._pending_done.add(stream)
+                self._pending_cursor[stream] = seen[stream].decode() if stream in seen else None
             if entries:
                 return entries
         return await self._read({s: ">" for s in self.streams}, count, block_ms)
 
-    async def _read(self, ids: dict[str, str], count: int, block_ms: int | None) -> list[Entry]:
+    async def _read(
+        self,
+        ids: dict[str, str],
+        count: int,
+        block_ms: int | None,
+        seen: dict[str, bytes] | None = None,
+    ) -> list[Entry]:
         reply = await self.r.xreadgroup(self.group, self.consumer, ids, count=count, block=block_ms)
         entries = []
         for stream, items in normalize_reply(reply):
             for entry_id, fields in items:
+                if seen is not None:
+                    seen[stream] = entry_id
                 if fields is None:  # pending entry trimmed away meanwhile: nothing to redo
                     await self.r.xack(stream, self.group, entry_id)
                     continue
@@ -119,15 +129,21 @@ class GroupReader:
             await self.r.xack(stream, self.group, *ids)
 
     async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
-        """XAUTOCLAIM entries idle for `min_idle_ms` in other consumers' pending lists."""
+        """XAUTOCLAIM every entry idle for `min_idle_ms` in the group's pending lists (paging
+        through them all); they become this consumer's pending entries."""
         claimed: list[Entry] = []
         for stream in self.streams:
-            reply = await self.r.xautoclaim(
-                stream, self.group, self.consumer, min_idle_ms, "0-0", count=count
-            )
-            for entry_id, fields in reply[1]:
-                if fields:
-                    claimed.append(Entry(stream, entry_id, fields))
+            cursor: bytes | str = "0-0"
+            while True:
+                reply = await self.r.xautoclaim(
+                    stream, self.group, self.consumer, min_idle_ms, cursor, count=count
+                )
+                claimed.extend(
+                    Entry(stream, entry_id, fields) for entry_id, fields in reply[1] if fields
+                )
+                cursor = reply[0]
+                if cursor in (b"0-0", "0-0"):
+                    break
         return claimed
 
 

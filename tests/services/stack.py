@@ -89,6 +89,16 @@ class Stack:
         await asyncio.wait_for(self.ledger.ready.wait(), 30)
         return self
 
+    async def restart_ledger(self) -> None:
+        """Kill the ledger task (as a crash would) and start a new ledger on the same streams."""
+        old = self.tasks.pop(0)
+        old.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await old
+        self.ledger = LedgerService(self.ledger_cfg, self.r)
+        self.tasks.insert(0, asyncio.create_task(self.ledger.run(), name="ledger"))
+        await asyncio.wait_for(self.ledger.ready.wait(), 30)
+
     async def start_worker(self, worker_id: str) -> WorkerService:
         runner = ModelRunner(
             self.model, self.num_blocks, self.block_size, name="kvledger-tiny-llama"

@@ -177,3 +177,44 @@ async def test_snapshot_lists_exactly_the_cached_blocks(redis_url, tiny_model):
         assert wire.WIRE_VERSION == 1
     finally:
         await stack.stop()
+
+
+async def test_requests_left_pending_by_another_ledger_are_claimed_and_served(
+    redis_url, tiny_model
+):
+    stack = Stack(redis_url, tiny_model, num_blocks=64)
+    prompt = prompts(1, 20, seed=40)[0]
+    # A previous ledger (another consumer name) read this request and died before finishing it.
+    await stack.r.xgroup_create(stack.streams.requests, "ledger", id="0", mkstream=True)
+    await stack.submit("orphan", prompt, 5)
+    await stack.r.xreadgroup("ledger", "old-ledger-host", {stack.streams.requests: ">"}, count=10)
+    assert (await stack.r.xpending(stack.streams.requests, "ledger"))["pending"] == 1
+    await stack.start()
+    try:
+        result = (await stack.wait(["orphan"]))["orphan"]
+        assert result.tokens == dense_greedy(tiny_model, prompt, 5)
+        assert (await stack.r.xpending(stack.streams.requests, "ledger"))["pending"] == 0
+    finally:
+        await stack.stop()
+
+
+async def test_a_restarted_ledger_reruns_its_unfinished_requests_to_the_same_tokens(
+    redis_url, tiny_model
+):
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        batch = prompts(3, 24, seed=50)
+        for i, prompt in enumerate(batch):
+            await stack.submit(f"r{i}", prompt, 40)
+        while min(len(stack.results[f"r{i}"].tokens) for i in range(3)) < 5:
+            await asyncio.sleep(0.02)
+        epoch_before = stack.ledger.epoch
+        await stack.restart_ledger()
+        results = await stack.wait([f"r{i}" for i in range(3)], timeout=120)
+        assert stack.ledger.epoch.split(".")[0] != epoch_before.split(".")[0]
+        for i, prompt in enumerate(batch):
+            # Re-run from scratch: the repeats are dropped by position, nothing is lost or doubled.
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 40)
+        assert (await stack.r.xpending(stack.streams.requests, "ledger"))["pending"] == 0
+    finally:
+        await stack.stop()
