@@ -90,6 +90,16 @@ class StepResults:
                 log.error("step_failed", step_id=step_id, worker_id=worker_id, error=result.error)
                 return None
         primary = results[min(workers)]
+        for worker_id, result in results.items():
+            # Every worker keeps what it sampled: one that drew differently now holds other tokens.
+            if result.sampled_token_ids != primary.sampled_token_ids:
+                log.error(
+                    "workers_disagree",
+                    step_id=step_id,
+                    worker_id=worker_id,
+                    primary=primary.worker_id,
+                )
+                return None
         got = set(primary.sampled_token_ids)
         if got != out.sampling_req_ids:
             log.error(

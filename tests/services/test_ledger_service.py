@@ -218,3 +218,19 @@ async def test_a_restarted_ledger_reruns_its_unfinished_requests_to_the_same_tok
         assert (await stack.r.xpending(stack.streams.requests, "ledger"))["pending"] == 0
     finally:
         await stack.stop()
+
+
+async def test_two_workers_in_a_group_run_the_same_steps_and_agree(redis_url, tiny_model):
+    stack = Stack(redis_url, tiny_model, num_blocks=48, num_workers=2)
+    await stack.start(num_workers=2)
+    try:
+        batch = prompts(4, 30, seed=60)
+        for i, prompt in enumerate(batch):
+            # Sampled, not greedy: the ledger's per-request seeds make both workers draw alike.
+            await stack.submit(f"r{i}", prompt, 12, temperature=0.9, top_p=0.95)
+        results = await stack.wait([f"r{i}" for i in range(4)])
+        assert all(len(r.tokens) == 12 for r in results.values())
+        assert sorted(stack.ledger.workers) == ["w0", "w1"]
+        assert stack.ledger.epoch.endswith(".1")  # no step failed, no resync was needed
+    finally:
+        await stack.stop()
