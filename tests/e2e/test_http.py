@@ -123,3 +123,22 @@ def test_chat_models_health_and_metrics(served):
     assert health == 200
     assert metric_value(text, "vllm:prefix_cache_queries_total") > 0
     assert "Maximum concurrency for 256 tokens per request" in served.capacity_line
+
+
+def test_up_refuses_to_start_when_one_max_model_len_request_cannot_fit():
+    import subprocess
+    import sys
+
+    from services.redis_server import free_port
+    from tests.e2e.conftest import ROOT, _hermetic_env
+
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), "--device", "cpu",
+         "--num-gpu-blocks-override", "10", "--max-model-len", "2048"],
+        cwd=ROOT, env=_hermetic_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1
+    assert "To serve at least one request with the model's max seq len (2048)" in output
+    assert "the estimated maximum model length is 144" in output  # 9 usable blocks of 16
+    assert "the ledger exited at start-up with code 3" in output
