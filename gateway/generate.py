@@ -179,7 +179,9 @@ class Generation:
             if self.client_gone():
                 raise ClientGone("the client disconnected")
             try:
-                item = await asyncio.wait_for(self._queue.get(), min(remaining, DISCONNECT_POLL_S))
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation.
+                async with asyncio.timeout(min(remaining, DISCONNECT_POLL_S)):
+                    item = await self._queue.get()
             except TimeoutError:
                 continue
             if item is SHUTDOWN:

@@ -8,7 +8,6 @@ pool hands it out again, and that hand-out is the eviction (one BlockRemoved per
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -250,6 +249,3 @@ class BlockPool:
 
     def cached_hashes(self) -> set[BlockHash]:
         return set(self.cached_block_hash_to_block.keys())
-
-    def snapshot_timestamp(self) -> float:
-        return time.time()

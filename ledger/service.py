@@ -256,7 +256,10 @@ class LedgerService:
         self.intake_event.clear()
         if self.intake.empty():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.intake_event.wait(), timeout)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+                # that lands as it times out, and the ledger would then never stop.
+                async with asyncio.timeout(timeout):
+                    await self.intake_event.wait()
 
     async def _await_results(self, out: SchedulerOutput) -> dict[str, int] | None:
         return await self.step_results.wait(

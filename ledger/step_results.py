@@ -81,7 +81,8 @@ class StepResults:
                 return None
             self.arrived.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.arrived.wait(), 0.5)
+                async with asyncio.timeout(0.5):  # not wait_for: it can swallow a cancellation
+                    await self.arrived.wait()
         results = self.results.pop(step_id)
         for old in [s for s in self.results if s < step_id]:
             del self.results[old]

@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-from ledger.simulate import SimResult, prefix_granularity, run_blog_paged, run_contiguous, run_vllm
+from ledger.simulate import prefix_granularity, run_blog_paged, run_contiguous, run_vllm
 from ledger.workloads import blog_lengths, blog_workload, shared_prefix_workload
 from services.tables import format_table
 from services.tools import now_stamp, write_json
@@ -342,6 +342,3 @@ def _plot(results: dict, path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-__all__ = ["SimResult", "run_and_report"]

@@ -70,6 +70,9 @@ class Stack:
             **ledger_kwargs,
         )
         self.r = transport.connect(url)
+        # Each service gets its own client, as separate processes would: cancelling one (a
+        # simulated crash) must not leave a half-read reply on a connection another one uses.
+        self.clients: list = []
         self.ledger: LedgerService | None = None
         self.tasks: list[asyncio.Task] = []
         self.workers: dict[str, asyncio.Task] = {}
@@ -81,7 +84,7 @@ class Stack:
         return self.ledger_cfg.streams
 
     async def start(self, num_workers: int = 1) -> Stack:
-        self.ledger = LedgerService(self.ledger_cfg, self.r)
+        self.ledger = LedgerService(self.ledger_cfg, self._client())
         self.tasks.append(asyncio.create_task(self.ledger.run(), name="ledger"))
         for i in range(num_workers):
             await self.start_worker(f"w{i}")
@@ -89,13 +92,18 @@ class Stack:
         await asyncio.wait_for(self.ledger.ready.wait(), 30)
         return self
 
+    def _client(self):
+        client = transport.connect(self.url)
+        self.clients.append(client)
+        return client
+
     async def restart_ledger(self) -> None:
         """Kill the ledger task (as a crash would) and start a new ledger on the same streams."""
         old = self.tasks.pop(0)
         old.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await old
-        self.ledger = LedgerService(self.ledger_cfg, self.r)
+        self.ledger = LedgerService(self.ledger_cfg, self._client())
         self.tasks.insert(0, asyncio.create_task(self.ledger.run(), name="ledger"))
         await asyncio.wait_for(self.ledger.ready.wait(), 30)
 
@@ -111,7 +119,7 @@ class Stack:
             heartbeat_s=0.3,
             ttl_s=2.0,
         )
-        service = WorkerService(cfg, self.r, runner)
+        service = WorkerService(cfg, self._client(), runner)
         self.workers[worker_id] = asyncio.create_task(service.run(), name=f"worker-{worker_id}")
         return service
 
@@ -165,7 +173,7 @@ class Stack:
             if time.monotonic() > deadline:
                 pending = [r for r in req_ids if self.results[r].final is None]
                 raise TimeoutError(f"requests did not finish: {pending}")
-            for task in self.tasks:
+            for task in [*self.tasks, *self.workers.values()]:
                 if task.done():
                     task.result()  # surface a crashed service
             await asyncio.sleep(0.05)
@@ -184,4 +192,5 @@ class Stack:
             *([self._reader] if self._reader else []),
             return_exceptions=True,
         )
-        await self.r.aclose()
+        for client in [self.r, *self.clients]:
+            await client.aclose()
