@@ -13,15 +13,12 @@ from itertools import islice
 
 from ledger.block import KVCacheBlock
 from ledger.block_pool import BlockPool, Eviction
+from ledger.capacity import cdiv
 from ledger.events import KVCacheEvent
 from ledger.hashing import block_extra_keys, to_event_extra_keys
 from ledger.request import Request, RequestStatus
 
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)

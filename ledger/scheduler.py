@@ -87,7 +87,11 @@ class Scheduler:
                 f"request {request.request_id}: {request.num_tokens} prompt tokens leave no room "
                 f"for output within max_model_len {self.config.max_model_len}"
             )
-        request.block_size = self.block_size
+        if request.block_size != self.block_size:
+            # Its hashes were cut at another block size: the pool's blocks are what they cover.
+            request.block_size = self.block_size
+            request.block_hashes = []
+            request.update_block_hashes()
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

@@ -72,7 +72,6 @@ class LedgerService:
         )
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
-        self.tracked: dict[str, Tracked] = {}
         # The last step's results, sent to the gateways while the workers run the next step.
         self.unsent: list[RequestUpdate] = []
         self.requests_reader = transport.GroupReader(r, [self.streams.requests], "ledger", CONSUMER)
@@ -330,7 +329,6 @@ class LedgerService:
             await self._send(msg.gateway_id, rejection(msg, problem))
             await self.requests_reader.ack([entry])
             return
-        self.tracked[msg.req_id] = request.payload
         self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
 
     async def _abort(self, msg: AbortRequest) -> None:
@@ -365,11 +363,9 @@ class LedgerService:
                 await self._finish_tracking(update.request, None)
 
     async def _finish_tracking(self, request: Request, final: RequestOutput | None) -> None:
-        tracked = self.tracked.pop(request.request_id, None)
+        tracked: Tracked = request.payload
         if self.telemetry is not None:
             self.telemetry.request_finished(request.request_id)
-        if tracked is None:
-            return
         if final is not None:
             await self._flush_outputs()  # a final output must not overtake tokens held back
             await self._send(tracked.msg.gateway_id, final)

@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from ledger.block_pool import BlockPool
+from ledger.capacity import cdiv
 from ledger.hashing import BlockHasher
-from ledger.kv_cache_manager import KVCacheManager, cdiv
+from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import Request
 from ledger.scheduler import Scheduler, SchedulerConfig
 from ledger.workloads import SimRequest, synthetic_token
