@@ -44,6 +44,7 @@ COPY gateway ./gateway
 COPY gpu_worker ./gpu_worker
 COPY kernels ./kernels
 COPY observability ./observability
+COPY kvledger ./kvledger
 RUN pip install --no-deps .
 COPY --from=kernels /opt/kvledger-kernels/libkvledger_kernels.so /opt/kvledger/libkvledger_kernels.so
 ENV KVLEDGER_KERNEL_LIB=/opt/kvledger/libkvledger_kernels.so

@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvledger.report import format_table  # noqa: E402
 from services.redis_server import free_port  # noqa: E402
-from services.tables import format_table  # noqa: E402
 
 
 @dataclass
@@ -94,11 +94,11 @@ def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
 
     from gpu_worker.checkpoint import load_model
     from gpu_worker.runner import ModelRunner
-    from ledger.hashing import BlockHasher
-    from ledger.kv_cache_manager import KVCacheManager
-    from ledger.request import Request
-    from ledger.scheduler import Scheduler, SchedulerConfig
-    from ledger.translate import Tracked, build_step_message
+    from ledger.core.hashing import BlockHasher
+    from ledger.core.kv_cache_manager import KVCacheManager
+    from ledger.core.request import Request
+    from ledger.core.scheduler import Scheduler, SchedulerConfig
+    from ledger.service.translate import Tracked, build_step_message
     from services.messages import GenerateRequest, SamplingParams
 
     torch.set_num_threads(1)
@@ -172,7 +172,7 @@ def split_stack(args: argparse.Namespace):
     """`kvledger up` in a subprocess, serving until the block ends; yields its base URL."""
     port = free_port()
     env = dict(os.environ, KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000")
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--device", "cpu", "--model", str(args.model),
+    cmd = [sys.executable, "-m", "kvledger.cli", "up", "--port", str(port), "--device", "cpu", "--model", str(args.model),
            "--num-gpu-blocks-override", str(args.num_blocks), "--kv-cache-memory-bytes", "512MiB",
            "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from redis.exceptions import RedisError
 
@@ -23,7 +24,6 @@ from gateway.generate import Generation, GenerationError
 from gateway.protocol import Job, parse_chat, parse_completion, parse_json, resolve
 from gateway.responses import SSE_DONE, Meta, chunk_body, error_body, final_body, sse, usage_chunk
 from gateway.service import Gateway
-from gpu_worker.tokenizer import load_tokenizer
 from observability import (
     Attr,
     get_logger,
@@ -32,6 +32,7 @@ from observability import (
 )
 from services import transport
 from services.config import ConfigError, GatewayConfig
+from services.tokenizer import load_tokenizer
 
 log = get_logger("gateway")
 
@@ -47,10 +48,13 @@ def create_app(
     config: GatewayConfig, redis: aioredis.Redis | None = None, *, tracer: Tracer | None = None
 ) -> web.Application:
     """The gateway as an aiohttp application; `redis` given here stays open when it stops."""
-    if redis is None and not config.redis_url:
-        raise ConfigError("the gateway needs Redis: set --redis-url or KVLEDGER_REDIS_URL")
     owns_redis = redis is None
-    client = transport.connect(config.redis_url) if redis is None else redis
+    if redis is not None:
+        client = redis
+    elif config.redis_url:
+        client = transport.connect(config.redis_url)
+    else:
+        raise ConfigError("the gateway needs Redis: set --redis-url or KVLEDGER_REDIS_URL")
     tokenizer = load_tokenizer(config.model, config.model_name)
     gw = Gateway(config, client, tokenizer, tracer or get_tracer(SERVICE_NAME))
 
@@ -145,7 +149,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
 
 
-def _auth(api_key: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _auth(api_key: str | None) -> Middleware:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if api_key and request.path.startswith("/v1/") and not _authorized(request, api_key):
@@ -321,8 +325,9 @@ async def health(request: web.Request) -> web.Response:
     if status is None:
         body = {"status": "unavailable", "message": gw.unavailable_message(None), **gateway}
         return web.json_response(body, status=503)
-    ledger = dataclasses.asdict(status)
-    ledger.pop("metrics", None)  # /metrics shows those
+    ledger = msgspec.structs.asdict(status)
+    for name in ("metrics", "v"):  # /metrics shows the counters; v is the wire's
+        ledger.pop(name, None)
     return web.json_response({"status": "ok", **gateway, "ledger": ledger})
 
 

@@ -18,9 +18,9 @@ from gateway.outputs import SHUTDOWN, TokenTracker
 from gateway.protocol import Job, sampling_params
 from gateway.responses import Usage
 from gateway.stops import StopMatcher
-from gpu_worker.tokenizer import IncrementalDetokenizer
 from observability import Attr, get_logger, inject_traceparent, usage_attributes
 from services.messages import GenerateRequest, RequestOutput
+from services.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from opentelemetry.util.types import AttributeValue

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -108,7 +109,7 @@ class OutputDispatcher:
 
     async def start(self) -> None:
         tail = await self.redis.xrevrange(self.stream, count=1)
-        self._last_id = tail[0][0] if tail else b"0-0"
+        self._last_id = cast(bytes, tail[0][0]) if tail else b"0-0"
         self._task = asyncio.create_task(self._run(), name=f"outputs:{self.stream}")
 
     async def stop(self) -> None:
@@ -138,17 +139,13 @@ class OutputDispatcher:
 
     async def _dispatch(self, entry: transport.Entry) -> None:
         try:
-            msg = transport.decode_entry(entry)
-            if not isinstance(msg, RequestOutput | OutputBatch):
-                raise wire.WireError(
-                    f"field 'kind': {msg.KIND!r} does not belong on an outputs stream"
-                )
+            msg = transport.decode_entry(entry, OutputBatch)
         except wire.WireError as exc:
             self.on_dead_letter(self.stream)
             with contextlib.suppress(RedisError, OSError):
                 await transport.dead_letter(self.redis, self.dead_letters, entry, str(exc))
             return
-        for out in msg.outputs if isinstance(msg, OutputBatch) else (msg,):
+        for out in msg.outputs:
             queue = self.queues.get(out.req_id)
             if queue is not None:
                 queue.put_nowait(out)

@@ -31,8 +31,8 @@ from gateway.fields import (
     short,
     type_name,
 )
-from gpu_worker.tokenizer import ChatTemplateError, Tokenizer
 from services.messages import SamplingParams
+from services.tokenizer import ChatTemplateError, Tokenizer
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Tracer
@@ -20,11 +20,11 @@ from redis.exceptions import RedisError
 from gateway.fields import ApiError
 from gateway.outputs import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
-from gpu_worker.tokenizer import Tokenizer
 from observability import GatewayMetrics, LedgerSnapshot, get_logger, new_registry
 from services import transport, wire
 from services.config import GatewayConfig
 from services.messages import AbortRequest, LedgerStatus
+from services.tokenizer import Tokenizer
 
 log = get_logger("gateway")
 
@@ -70,7 +70,7 @@ class Gateway:
         now = time.monotonic()
         if now - self._status_read_at <= max_age_s:
             return self._status
-        data = await self.redis.get(self.streams.ledger_status)
+        data = cast("bytes | None", await self.redis.get(self.streams.ledger_status))
         status = None
         if data is not None:
             try:

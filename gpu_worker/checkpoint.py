@@ -20,8 +20,8 @@ from gpu_worker.model import (
     init_random_weights,
     tiny_config,
 )
-from gpu_worker.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
 from services.config import env
+from services.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
 
 DTYPES = {
     "float32": torch.float32,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.model import AttentionMetadata, KVCache, LlamaForCausalLM
-from ledger.capacity import kv_cache_bytes_per_block
+from ledger.core.capacity import kv_cache_bytes_per_block
 
 GiB = 1 << 30
 NO_MEMORY = (

@@ -23,7 +23,7 @@ from observability import Attr, SpanName, get_logger, links_from_traceparents
 from services import registry, transport
 from services.config import WorkerConfig
 from services.messages import StepMessage, StepResult, WorkerHello, WorkerShutdown
-from services.wire import WireError, encode
+from services.wire import WireError, encode, kind_of
 
 log = get_logger("kvledger.worker")
 
@@ -107,7 +107,9 @@ class WorkerService:
             try:
                 msg = transport.decode_entry(entry)
                 if not isinstance(msg, StepMessage | WorkerShutdown):
-                    raise WireError(f"field 'kind': {msg.KIND!r} does not belong on a step stream")
+                    raise WireError(
+                        f"field 'kind': {kind_of(msg)!r} does not belong on a step stream"
+                    )
             except WireError as exc:
                 await transport.dead_letter(self.r, self.cfg.streams.dead_letters, entry, str(exc))
                 await self.reader.ack([entry])

@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -153,17 +154,18 @@ class KernelLibrary:
 
     def _declare(self) -> None:
         i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        attention_args: list[Any] = (
+            [i32, i32, i32, ptr, i64, ptr, ptr, i64, ptr, i32, ptr, ptr, ptr, ptr, ptr]
+            + [i32] * 8
+            + [f32, ptr]
+        )
         lib = self._lib
         lib.kvl_abi_version.restype = i32
         lib.kvl_error_string.restype = ctypes.c_char_p
         lib.kvl_error_string.argtypes = [i32]
         lib.kvl_attention_ctas_per_sm.argtypes = [i32, i32, i32, ctypes.POINTER(i32)]
         lib.kvl_reshape_and_cache.argtypes = [ptr] * 5 + [i64] * 5 + [ptr]
-        lib.kvl_paged_attention.argtypes = (
-            [i32, i32, i32, ptr, i64, ptr, ptr, i64, ptr, i32, ptr, ptr, ptr, ptr, ptr]
-            + [i32] * 8
-            + [f32, ptr]
-        )
+        lib.kvl_paged_attention.argtypes = attention_args
         if self.emulated:
             lib.kvl_emu_configure.argtypes = [i32, i32, i32]
 

@@ -1,5 +1,8 @@
 """Observability for every kvledger service: tracing (OTLP to Jaeger), structured logs that carry
 trace ids, and Prometheus metrics with vLLM's names. No business logic lives here.
+
+Part of the common layer beside `services`, and independent of it: the application passes in
+the settings (log level and format, secrets to redact, `TracingSettings`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from observability.metrics import (
 from observability.tracing import (
     Attr,
     SpanName,
+    TracingSettings,
     extract_context,
     format_block_hashes,
     get_tracer,
@@ -36,6 +40,7 @@ __all__ = [
     "LedgerMetrics",
     "LedgerSnapshot",
     "SpanName",
+    "TracingSettings",
     "configure_logging",
     "extract_context",
     "format_block_hashes",

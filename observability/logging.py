@@ -8,14 +8,12 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 import structlog
 from opentelemetry import trace
 from structlog.typing import EventDict, Processor, WrappedLogger
-
-from services.config import env
 
 REDACTED = "[REDACTED]"
 FORMATS = ("json", "console")
@@ -48,7 +46,6 @@ _SECRET_KEYS = frozenset(
 )
 _SECRET_SUFFIXES = ("_password", "_secret", "_api_key", "_apikey", "_private_key")
 _CREDENTIAL_IN_TEXT = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+")
-_ENV_SECRETS = ("KVLEDGER_API_KEY",)
 _MIN_SECRET_LEN = 4  # shorter values would blank out ordinary words
 _PASS_THROUGH = ("exc_info", "stack_info")  # the console renderer formats these itself
 _KEY_ORDER = ("timestamp", "level", "service", "logger", "event", "trace_id", "span_id")
@@ -59,20 +56,22 @@ _handler: logging.Handler | None = None
 def configure_logging(
     service: str,
     *,
-    level: str | None = None,
+    level: str = "info",
     fmt: str | None = None,
+    secrets: Sequence[str | None] = (),
     stream: TextIO | None = None,
 ) -> None:
     """Route structlog and the standard library through one renderer; call once per process.
 
-    `level` and `fmt` default to KVLEDGER_LOG_LEVEL and KVLEDGER_LOG_FORMAT; without a format,
-    a terminal gets the console renderer and anything else JSON. Calling again reconfigures.
+    Without a format, a terminal gets the console renderer and anything else JSON. `secrets`
+    are values (an API key, a password) blanked out wherever they appear in a record. Calling
+    again reconfigures.
     """
     global _handler
     stream = stream or sys.stdout
-    level = _choose(level or env("KVLEDGER_LOG_LEVEL", "info"), LEVELS, "KVLEDGER_LOG_LEVEL")
-    fmt = fmt or env("KVLEDGER_LOG_FORMAT") or ("console" if _is_tty(stream) else "json")
-    fmt = _choose(fmt, FORMATS, "KVLEDGER_LOG_FORMAT")
+    level = _choose(level, LEVELS, "log level")
+    fmt = _choose(fmt or ("console" if _is_tty(stream) else "json"), FORMATS, "log format")
+    secret_values = tuple(value for value in secrets if value)
 
     shared = _shared_processors(service)
     structlog.configure(
@@ -91,7 +90,7 @@ def configure_logging(
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.stdlib.ExtraAdder(), *shared],
-            processors=_render_processors(fmt, stream),
+            processors=_render_processors(fmt, stream, secret_values),
         )
     )
     root = logging.getLogger()
@@ -120,9 +119,9 @@ def _shared_processors(service: str) -> list[Processor]:
     ]
 
 
-def _render_processors(fmt: str, stream: TextIO) -> list[Processor]:
+def _render_processors(fmt: str, stream: TextIO, secret_values: tuple[str, ...]) -> list[Processor]:
     # Redaction runs after exceptions are formatted, so a secret in a traceback is caught too.
-    redact = RedactSecrets(_env_secret_values())
+    redact = RedactSecrets(secret_values)
     if fmt == "json":
         return [
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
@@ -202,20 +201,16 @@ def is_secret_key(key: object) -> bool:
     return normalized in _SECRET_KEYS or normalized.endswith(_SECRET_SUFFIXES)
 
 
-def _env_secret_values() -> tuple[str, ...]:
-    return tuple(value for name in _ENV_SECRETS if (value := env(name)))
-
-
 def _order_keys(_: WrappedLogger, __: str, event_dict: EventDict) -> EventDict:
     ordered = {key: event_dict.pop(key) for key in _KEY_ORDER if key in event_dict}
     ordered.update(event_dict)
     return ordered
 
 
-def _choose(value: str, allowed: tuple[str, ...], variable: str) -> str:
+def _choose(value: str, allowed: tuple[str, ...], what: str) -> str:
     value = value.strip().lower()
     if value not in allowed:
-        raise ValueError(f"{variable}={value!r}: use one of {', '.join(allowed)}")
+        raise ValueError(f"{what} {value!r}: use one of {', '.join(allowed)}")
     return value
 
 

@@ -66,7 +66,7 @@ class LedgerSnapshot:
     @classmethod
     def from_dict(cls, data: dict[str, float | int]) -> LedgerSnapshot:
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: v for k, v in data.items() if k in known})  # type: ignore[arg-type]
 
 
 # (metric name, documentation, LedgerSnapshot field) for what the gateway mirrors.
@@ -172,7 +172,7 @@ class LedgerMetrics:
         values = _sample_values(self.registry, self.labels)
         by_field = {field: values[name] for name, _, field in _MIRRORED_GAUGES}
         by_field |= {field: int(values[f"{name}_total"]) for name, _, field in _MIRRORED_COUNTERS}
-        return LedgerSnapshot(**by_field)
+        return LedgerSnapshot(**by_field)  # type: ignore[arg-type]
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, VLLM_LABELS, registry=self.registry).labels(**self.labels)

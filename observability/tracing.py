@@ -6,9 +6,11 @@ contract: dashboards and the end-to-end trace test rely on them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 from typing import TYPE_CHECKING
@@ -18,8 +20,6 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
-
-from services.config import env
 
 if TYPE_CHECKING:  # the SDK is imported only when tracing is on
     from opentelemetry.sdk.trace import TracerProvider
@@ -84,19 +84,52 @@ _lock = threading.Lock()
 _providers: dict[str, TracerProvider] = {}
 
 
-def setup_tracing(service_name: str, *, set_global: bool = True) -> TracerProvider | None:
-    """Configure tracing for `service_name` from the OTEL_* variables; None when tracing is off.
+@dataclass(frozen=True, slots=True)
+class TracingSettings:
+    """Where spans go. Off (no exporter) unless an endpoint or an exporter is named."""
+
+    endpoint: str | None = None  # OTLP base URL, e.g. http://jaeger:4318
+    exporters: str | None = None  # comma-separated: otlp, console, none
+    protocol: str = "http/protobuf"  # or grpc
+    service_name: str | None = None  # replaces the service's own name when set
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> TracingSettings:
+        """OpenTelemetry's standard variables, as every OpenTelemetry SDK reads them."""
+
+        def get(name: str) -> str | None:
+            return environ.get(name) or None
+
+        return cls(
+            endpoint=get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+            exporters=get("OTEL_TRACES_EXPORTER"),
+            protocol=get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf",
+            service_name=get("OTEL_SERVICE_NAME"),
+        )
+
+
+_settings = TracingSettings()  # of the last setup_tracing call: get_tracer resolves names by it
+
+
+def setup_tracing(
+    service_name: str, settings: TracingSettings | None = None, *, set_global: bool = True
+) -> TracerProvider | None:
+    """Configure tracing for `service_name`; None when tracing is off. `settings` default to
+    `TracingSettings.from_environ()` (the OTEL_* variables).
 
     Off (the default) costs nothing: no SDK import, no exporter, spans are non-recording.
     Idempotent per service name; the first provider becomes OpenTelemetry's global one, others
     (several services in one process, or tests passing set_global=False) are reached with
     `get_tracer(service_name)`.
     """
-    name = env("OTEL_SERVICE_NAME") or service_name
+    global _settings
+    settings = TracingSettings.from_environ() if settings is None else settings
+    name = settings.service_name or service_name
     with _lock:
+        _settings = settings
         if name in _providers:
             return _providers[name]
-        exporters = _exporters_from_env()
+        exporters = _exporters(settings)
         if not exporters:
             log.debug("tracing_off", extra={"service": name})
             return None
@@ -113,7 +146,7 @@ def setup_tracing(service_name: str, *, set_global: bool = True) -> TracerProvid
 
 def get_tracer(service_name: str, instrumentation: str = "kvledger") -> Tracer:
     """The tracer of `service_name`'s provider, or the global (no-op when off) tracer."""
-    provider = _providers.get(env("OTEL_SERVICE_NAME") or service_name)
+    provider = _providers.get(_settings.service_name or service_name)
     if provider is None:
         return trace.get_tracer(instrumentation)
     return provider.get_tracer(instrumentation, _version())
@@ -129,9 +162,8 @@ def shutdown_tracing(timeout_s: float = 5.0) -> None:
         provider.shutdown()
 
 
-def _exporters_from_env() -> list[SpanExporter]:
-    endpoint = env("OTEL_EXPORTER_OTLP_ENDPOINT")
-    raw = env("OTEL_TRACES_EXPORTER")
+def _exporters(settings: TracingSettings) -> list[SpanExporter]:
+    endpoint, raw = settings.endpoint, settings.exporters
     names = ["otlp"] if raw is None and endpoint else _parse_exporter_names(raw)
     if "none" in names:
         return []
@@ -142,7 +174,7 @@ def _exporters_from_env() -> list[SpanExporter]:
         )
     exporters: list[SpanExporter] = []
     if "otlp" in names:
-        exporters.append(_otlp_exporter(endpoint or ""))
+        exporters.append(_otlp_exporter(endpoint or "", settings.protocol))
     if "console" in names:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -161,19 +193,19 @@ def _parse_exporter_names(raw: str | None) -> list[str]:
     return names
 
 
-def _otlp_exporter(endpoint: str) -> SpanExporter:
+def _otlp_exporter(endpoint: str, protocol: str) -> SpanExporter:
     if not endpoint.startswith(("http://", "https://")):
         raise ValueError(
             f"OTEL_EXPORTER_OTLP_ENDPOINT={endpoint!r} must be a URL such as http://jaeger:4318"
         )
-    protocol = (env("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").lower()
+    protocol = protocol.lower()
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter(endpoint=otlp_traces_url(endpoint))
     if protocol == "grpc":
         try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
                 OTLPSpanExporter as GrpcSpanExporter,
             )
         except ImportError:

@@ -11,7 +11,7 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 C = TypeVar("C")
 
@@ -56,6 +56,14 @@ ENV_VARS: dict[str, str] = {
     "OTEL_SERVICE_NAME": "overrides the service.name of this process's spans",
     "PYTHONHASHSEED": "seed of NONE_HASH for block hashing (vLLM's rule)",
 }
+
+
+# Values the logs never print, wherever they appear (the logging set-up redacts them).
+SECRET_ENV_VARS = ("KVLEDGER_API_KEY",)
+
+
+def secret_values() -> tuple[str, ...]:
+    return tuple(value for name in SECRET_ENV_VARS if (value := env(name)))
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -148,12 +156,16 @@ class CommonConfig:
         metadata={
             "env": "KVLEDGER_LOG_LEVEL",
             "help": "debug, info, warning, error",
-            "parse": None,
+            "parse": lambda text: _choice(text, ("debug", "info", "warning", "error", "critical")),
         },
     )
     log_format: str | None = field(
         default=None,
-        metadata={"env": "KVLEDGER_LOG_FORMAT", "help": "json or console", "parse": None},
+        metadata={
+            "env": "KVLEDGER_LOG_FORMAT",
+            "help": "json or console",
+            "parse": lambda text: _choice(text, ("json", "console")),
+        },
     )
 
     @property
@@ -166,6 +178,13 @@ def _opt(
 ) -> Any:
     """A config field that argparse exposes as a flag and the environment can set."""
     return field(default=default, metadata={"env": env_name, "help": help, "parse": parse})
+
+
+def _choice(text: str, allowed: tuple[str, ...]) -> str:
+    value = text.strip().lower()
+    if value not in allowed:
+        raise ValueError(f"{text!r}: use one of {', '.join(allowed)}")
+    return value
 
 
 def _bool(text: str) -> bool:
@@ -310,7 +329,7 @@ def from_arguments(
 ) -> C:
     """Flags beat the environment, which beats the built-in default; values are parsed once."""
     kwargs: dict[str, Any] = {}
-    for f in fields(cls):
+    for f in fields(cast(Any, cls)):
         raw = getattr(namespace, f.name, None) if namespace is not None else None
         meta = f.metadata
         if raw is None and meta and meta.get("env"):
@@ -320,7 +339,9 @@ def from_arguments(
         parse = meta.get("parse") if meta else None
         try:
             kwargs[f.name] = (
-                parse(raw) if parse else (type(f.default)(raw) if f.default is not None else raw)
+                parse(raw)
+                if parse
+                else (cast(Any, type(f.default))(raw) if f.default is not None else raw)
             )
         except (TypeError, ValueError) as exc:
             source = (

@@ -5,16 +5,16 @@ Streams (names in `services.config.StreamNames`):
   steps     ledger  -> workers  StepMessage (one per scheduler step), WorkerShutdown
   results   workers -> ledger   WorkerHello (registration with capacity), StepResult
   outputs   ledger  -> gateway  OutputBatch per step, RequestOutput for aborts (one stream per gateway)
-The KV-events stream is not here: it carries vLLM's own `KVEventBatch` bytes (`ledger.events`).
+Parts nested inside messages (SamplingParams, NewRequestData, CachedRequestData, RequestOutput)
+are Records. The KV-events stream is not here: it carries vLLM's own `KVEventBatch` bytes (`ledger.core.events`).
 """
 
 from __future__ import annotations
 
-from services.wire import message
+from services.wire import Message, Record
 
 
-@message("sampling")
-class SamplingParams:
+class SamplingParams(Record):
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
@@ -25,8 +25,7 @@ class SamplingParams:
     eos_token_id: int | None = None  # None: never stop on EOS (ignore_eos)
 
 
-@message("generate")
-class GenerateRequest:
+class GenerateRequest(Message, tag="generate"):
     req_id: str
     gateway_id: str  # the gateway whose outputs stream receives this request's tokens
     prompt_token_ids: list[int]
@@ -37,14 +36,12 @@ class GenerateRequest:
     traceparent: str | None = None  # W3C trace context of the gateway's request span
 
 
-@message("abort")
-class AbortRequest:
+class AbortRequest(Message, tag="abort"):
     req_id: str
     reason: str = "abort"
 
 
-@message("new_req")
-class NewRequestData:
+class NewRequestData(Record):
     """A request the workers have not seen: new, or resumed after a preemption (all its blocks)."""
 
     req_id: str
@@ -56,8 +53,7 @@ class NewRequestData:
     traceparent: str | None = None
 
 
-@message("cached_req")
-class CachedRequestData:
+class CachedRequestData(Record):
     """A running request the workers already hold: only what changed since its last step."""
 
     req_id: str
@@ -67,8 +63,7 @@ class CachedRequestData:
     traceparent: str | None = None
 
 
-@message("step")
-class StepMessage:
+class StepMessage(Message, tag="step"):
     """One scheduler step, as vLLM's SchedulerOutput: the workers run exactly this batch.
 
     For each scheduled request the workers process tokens
@@ -90,13 +85,11 @@ class StepMessage:
     sent_at: float = 0.0
 
 
-@message("worker_shutdown")
-class WorkerShutdown:
+class WorkerShutdown(Message, tag="worker_shutdown"):
     reason: str = "ledger stopping"
 
 
-@message("hello")
-class WorkerHello:
+class WorkerHello(Message, tag="hello"):
     """A worker's registration: who it is and how many KV blocks its memory profile allows."""
 
     worker_id: str
@@ -113,8 +106,7 @@ class WorkerHello:
     detail: str = ""  # the memory profile, for the ledger's start-up log
 
 
-@message("result")
-class StepResult:
+class StepResult(Message, tag="result"):
     step_id: int
     epoch: str
     worker_id: str
@@ -123,8 +115,7 @@ class StepResult:
     error: str | None = None  # set when the worker could not run the step
 
 
-@message("output")
-class RequestOutput:
+class RequestOutput(Record):
     """What the ledger tells a gateway about one request after a step (or an abort)."""
 
     req_id: str
@@ -139,15 +130,13 @@ class RequestOutput:
     error: str | None = None
 
 
-@message("outputs")
-class OutputBatch:
+class OutputBatch(Message, tag="outputs"):
     """One step's outputs for one gateway, in one stream entry (one XADD, one read, one decode)."""
 
     outputs: list[RequestOutput]
 
 
-@message("ledger_status")
-class LedgerStatus:
+class LedgerStatus(Message, tag="ledger_status"):
     """The ledger's heartbeat key: who is serving, with what capacity, and its live counters."""
 
     epoch: str

@@ -7,6 +7,8 @@ writes a new `started_at`, so the ledger tells a restart from a heartbeat.
 
 from __future__ import annotations
 
+from typing import cast
+
 import redis.asyncio as aioredis
 
 from services import wire
@@ -31,7 +33,7 @@ async def live_workers(r: aioredis.Redis, prefix: str, group: str) -> dict[str, 
     """Every worker of the group whose heartbeat key is alive (malformed keys are skipped)."""
     workers: dict[str, WorkerHello] = {}
     async for key in r.scan_iter(match=worker_key(prefix, group, "*"), count=100):
-        data = await r.get(key)
+        data = cast("bytes | None", await r.get(key))
         if data is None:
             continue
         try:

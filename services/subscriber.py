@@ -20,8 +20,14 @@ from pathlib import Path
 import msgpack
 import redis.asyncio as aioredis
 
-from ledger.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
-from ledger.hashing import BlockHasher, to_event_hash
+from ledger.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+)
+from ledger.core.hashing import BlockHasher, to_event_hash
 from services.config import StreamNames
 from services.transport import connect, read_from
 
@@ -77,7 +83,11 @@ class KVEventSubscriber:
 
     async def start(self, mode: str = "snapshot") -> None:
         """mode: snapshot (the cached blocks now), start (replay the whole stream), or end."""
-        if self.checkpoint is not None and self.checkpoint.exists() and await self._resume():
+        if (
+            self.checkpoint is not None
+            and self.checkpoint.exists()
+            and await self._resume(self.checkpoint)
+        ):
             return
         if mode == "snapshot":
             await self.bootstrap()
@@ -103,11 +113,11 @@ class KVEventSubscriber:
         self.bootstraps += 1
         self._save()
 
-    async def _resume(self) -> bool:
-        state = json.loads(self.checkpoint.read_text())
+    async def _resume(self, checkpoint: Path) -> bool:
+        state = json.loads(checkpoint.read_text())
         last_id = state["last_id"]
         first = await self.r.xrange(self.streams.events, count=1)
-        if first and _id_tuple(first[0][0].decode()) > _id_tuple(last_id) and last_id != "0-0":
+        if first and _id_tuple(_text(first[0][0])) > _id_tuple(last_id) and last_id != "0-0":
             # Entries after last_id may have been trimmed away: the index could be wrong.
             await self.bootstrap()
             return True
@@ -204,3 +214,7 @@ def describe(event) -> str:
         )
         return f"BlockRemoved   {hashes}"
     return "AllBlocksCleared"
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

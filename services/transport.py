@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast, overload
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -19,6 +19,8 @@ from redis.exceptions import ResponseError
 from services import wire
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=wire.Message)
 
 FIELD = b"m"
 
@@ -32,9 +34,14 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.from_url(url, decode_responses=False, **kwargs)
 
 
-async def append(r: aioredis.Redis, stream: str, msg: Any, maxlen: int | None = 100_000) -> bytes:
+async def append(
+    r: aioredis.Redis, stream: str, msg: wire.Message, maxlen: int | None = 100_000
+) -> bytes:
     """XADD one wire message; approximate MAXLEN trimming keeps the stream bounded cheaply."""
-    return await r.xadd(stream, {FIELD: wire.encode(msg)}, maxlen=maxlen, approximate=True)
+    # redis-py types replies as bytes | str; this client never decodes them.
+    return cast(
+        bytes, await r.xadd(stream, {FIELD: wire.encode(msg)}, maxlen=maxlen, approximate=True)
+    )
 
 
 @dataclass(slots=True)
@@ -45,7 +52,7 @@ class Entry:
 
 
 async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: str) -> None:
-    fields: dict[bytes | str, Any] = {
+    fields: dict[Any, Any] = {
         b"source_stream": entry.stream.encode(),
         b"source_id": entry.entry_id,
         b"error": error.encode(),
@@ -58,11 +65,15 @@ async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: 
     )
 
 
-def decode_entry(entry: Entry, expect: type | None = None) -> Any:
+@overload
+def decode_entry(entry: Entry) -> wire.Message: ...
+@overload
+def decode_entry(entry: Entry, expect: type[M]) -> M: ...
+def decode_entry(entry: Entry, expect: type[M] | None = None) -> wire.Message:
     data = entry.fields.get(FIELD)
     if data is None:
         raise wire.WireError(f"field '{FIELD.decode()}': missing from the stream entry")
-    return wire.decode(data, expect)
+    return wire.decode(data) if expect is None else wire.decode(data, expect)
 
 
 class GroupReader:
@@ -109,7 +120,10 @@ class GroupReader:
         block_ms: int | None,
         seen: dict[str, bytes] | None = None,
     ) -> list[Entry]:
-        reply = await self.r.xreadgroup(self.group, self.consumer, ids, count=count, block=block_ms)
+        streams: dict[Any, Any] = dict(ids)
+        reply = await self.r.xreadgroup(
+            self.group, self.consumer, streams, count=count, block=block_ms
+        )
         entries = []
         for stream, items in normalize_reply(reply):
             for entry_id, fields in items:

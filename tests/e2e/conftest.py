@@ -1,6 +1,6 @@
 """`kvledger up` as a subprocess, for tests that talk to the real stack over HTTP.
 
-`serve(model_dir, ...)` starts `python -m services.cli up` (private redis-server, ledger, worker,
+`serve(model_dir, ...)` starts `python -m kvledger.cli up` (private redis-server, ledger, worker,
 gateway) on a free port, waits for its banner and a healthy gateway, yields a `Served` with the
 base URL, and stops it with SIGTERM (SIGKILL to its process group if it hangs). `launch` and
 `serving` do the same for several stacks that start side by side.
@@ -126,7 +126,7 @@ def launch(
         *extra_args,
     ]
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", *flags],
+        [sys.executable, "-m", "kvledger.cli", "up", *flags],
         cwd=ROOT,
         env={**_hermetic_env(), **(env or {})},
         stdin=subprocess.DEVNULL,

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from gpu_worker.checkpoint import load_model
-from gpu_worker.tokenizer import ByteTokenizer
+from services.tokenizer import ByteTokenizer
 from tests.e2e.conftest import metric_value, serve
 from tests.e2e.test_traces import complete, token_prompts
 from tests.services.stack import dense_greedy
@@ -133,7 +133,7 @@ def test_up_refuses_to_start_when_one_max_model_len_request_cannot_fit():
     from tests.e2e.conftest import ROOT, _hermetic_env
 
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), "--device", "cpu",
+        [sys.executable, "-m", "kvledger.cli", "up", "--port", str(free_port()), "--device", "cpu",
          "--num-gpu-blocks-override", "10", "--max-model-len", "2048"],
         cwd=ROOT, env=_hermetic_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -12,10 +12,16 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from gpu_worker.tokenizer import ByteTokenizer
 from services import transport, wire
 from services.config import StreamNames
-from services.messages import AbortRequest, GenerateRequest, LedgerStatus, RequestOutput
+from services.messages import (
+    AbortRequest,
+    GenerateRequest,
+    LedgerStatus,
+    OutputBatch,
+    RequestOutput,
+)
+from services.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.EOS_ID
 TEXT = "Hello from the fake ledger! "
@@ -168,7 +174,7 @@ class FakeLedger:
         for out in outputs_for(req, self.script):
             if self.script.delay_s:
                 await asyncio.sleep(self.script.delay_s)
-            await transport.append(self.redis, stream, out)
+            await transport.append(self.redis, stream, OutputBatch(outputs=[out]))
         self._answers.pop(req.req_id, None)
 
     async def wait_for_requests(

@@ -19,7 +19,7 @@ from gateway import create_app, serve
 from observability import Attr, LedgerSnapshot
 from services import transport
 from services.config import StreamNames
-from services.messages import AbortRequest, RequestOutput
+from services.messages import AbortRequest, OutputBatch, RequestOutput
 from services.redis_server import free_port
 from tests.gateway.fake_ledger import TEXT, Script, request_stream
 from tests.gateway.helpers import GATEWAY_ID, assert_error, read_sse
@@ -125,7 +125,8 @@ async def test_outputs_for_unknown_requests_and_garbage_are_ignored(
     client = await start_gateway()
     streams = StreamNames(prefix)
     outputs = streams.outputs(GATEWAY_ID)
-    await transport.append(redis, outputs, RequestOutput("cmpl-gone", [1, 2], finished=True))
+    gone = RequestOutput("cmpl-gone", [1, 2], finished=True)
+    await transport.append(redis, outputs, OutputBatch(outputs=[gone]))
     await redis.xadd(outputs, {b"m": b"not msgpack at all"})
     resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
     assert (await resp.json())["choices"][0]["text"] == TEXT[:4]

@@ -17,9 +17,9 @@ from gateway.protocol import (
     sampling_params,
 )
 from gateway.responses import Meta, Usage, chunk_body, final_body, sse
-from gpu_worker.tokenizer import ByteTokenizer
 from services import wire
 from services.messages import GenerateRequest
+from services.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 BOS = ByteTokenizer.BOS_ID

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from gpu_worker.tokenizer import (
+from services.tokenizer import (
     ByteTokenizer,
     ChatTemplateError,
     HFTokenizer,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.capacity import (
+from ledger.core.capacity import (
     KVCacheShape,
     capacity_line,
     check_enough_blocks,

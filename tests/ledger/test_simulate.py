@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.simulate import prefix_granularity, run_blog_paged, run_contiguous, run_vllm
-from ledger.workloads import blog_lengths, blog_workload, shared_prefix_workload
+from kvledger.simulate import prefix_granularity, run_blog_paged, run_contiguous, run_vllm
+from kvledger.workloads import blog_lengths, blog_workload, shared_prefix_workload
 
 
 @pytest.fixture(scope="module")

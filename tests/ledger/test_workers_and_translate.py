@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.translate import validate_request
-from ledger.workers import StartupError, membership_changes, plan_pool
+from ledger.service.translate import validate_request
+from ledger.service.workers import StartupError, membership_changes, plan_pool
 from services.messages import GenerateRequest, SamplingParams, WorkerHello
 
 

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from observability.logging import REDACTED, configure_logging, get_logger
 from observability.tracing import extract_context
+from services.config import ConfigError, LedgerConfig, from_arguments
 
 
 def _lines(stream: io.StringIO) -> list[dict[str, object]]:
@@ -28,9 +29,9 @@ def test_records_inside_a_span_carry_its_trace_and_span_ids(
     configure_logging("kvledger-ledger", stream=stream)
     tracer = TracerProvider().get_tracer("test")  # a recording span, no global provider needed
     with tracer.start_as_current_span("kvledger.admit") as span:
-        get_logger("ledger.scheduler").info("request_admitted", request_id="r1", blocks=3)
+        get_logger("ledger.core.scheduler").info("request_admitted", request_id="r1", blocks=3)
         logging.getLogger("aiohttp.server").warning("client %s went away", "10.0.0.7")
-    get_logger("ledger.scheduler").info("step_done")
+    get_logger("ledger.core.scheduler").info("step_done")
 
     inside_structlog, inside_stdlib, outside = _lines(stream)
     ids = {
@@ -93,8 +94,7 @@ def test_console_renderer_on_a_terminal_unless_json_is_asked_for(
         configure_logging("kvledger-worker", stream=terminal)
         get_logger("worker").info("kv_cache_allocated", num_blocks=512)
         console = os.read(main_fd, 4096).decode()
-        restore_logging.setenv("KVLEDGER_LOG_FORMAT", "json")
-        configure_logging("kvledger-worker", stream=terminal)
+        configure_logging("kvledger-worker", fmt="json", stream=terminal)
         get_logger("worker").info("kv_cache_allocated", num_blocks=512)
         as_json = os.read(main_fd, 4096).decode()
     finally:
@@ -110,18 +110,16 @@ def test_console_renderer_on_a_terminal_unless_json_is_asked_for(
 def test_console_format_can_be_forced_without_a_terminal(
     restore_logging: pytest.MonkeyPatch,
 ) -> None:
-    restore_logging.setenv("KVLEDGER_LOG_FORMAT", "console")
     stream = io.StringIO()
-    configure_logging("kvledger-ledger", stream=stream)
+    configure_logging("kvledger-ledger", fmt="console", stream=stream)
     get_logger("ledger").warning("pool_exhausted", free_blocks=0)
     assert "pool_exhausted" in stream.getvalue()
     assert not stream.getvalue().lstrip().startswith("{")
 
 
 def test_secrets_are_redacted_wherever_they_appear(restore_logging: pytest.MonkeyPatch) -> None:
-    restore_logging.setenv("KVLEDGER_API_KEY", "sk-kvl-0123456789")
     stream = io.StringIO()
-    configure_logging("kvledger-gateway", stream=stream)
+    configure_logging("kvledger-gateway", secrets=["sk-kvl-0123456789"], stream=stream)
     log = get_logger("gateway.auth")
     log.warning(
         "auth_rejected",
@@ -161,8 +159,11 @@ def test_secrets_are_redacted_wherever_they_appear(restore_logging: pytest.Monke
 def test_unknown_format_or_level_is_rejected_with_the_choices(
     restore_logging: pytest.MonkeyPatch,
 ) -> None:
-    restore_logging.setenv("KVLEDGER_LOG_FORMAT", "xml")
-    with pytest.raises(ValueError, match="KVLEDGER_LOG_FORMAT='xml': use one of json, console"):
-        configure_logging("kvledger-ledger", stream=io.StringIO())
-    with pytest.raises(ValueError, match="KVLEDGER_LOG_LEVEL='loud'"):
+    with pytest.raises(ValueError, match="log format 'xml': use one of json, console"):
+        configure_logging("kvledger-ledger", fmt="xml", stream=io.StringIO())
+    with pytest.raises(ValueError, match="log level 'loud'"):
         configure_logging("kvledger-ledger", level="loud", fmt="json", stream=io.StringIO())
+    # The services read both from the environment; a bad value names the variable.
+    restore_logging.setenv("KVLEDGER_LOG_LEVEL", "loud")
+    with pytest.raises(ConfigError, match="KVLEDGER_LOG_LEVEL: 'loud': use one of debug, info"):
+        from_arguments(LedgerConfig)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ledger.events import KVEventBatch, encode_batch
-from ledger.hashing import BlockHasher
-from ledger.kv_cache_manager import KVCacheManager
-from ledger.request import Request
-from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.core.events import KVEventBatch, encode_batch
+from ledger.core.hashing import BlockHasher
+from ledger.core.kv_cache_manager import KVCacheManager
+from ledger.core.request import Request
+from ledger.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tests.oracle.ledger_backend import none_hash_seed
 
 EOS = 7

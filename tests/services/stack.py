@@ -14,7 +14,7 @@ import torch
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.runner import ModelRunner
 from gpu_worker.service import WorkerService
-from ledger.service import LedgerService
+from ledger.service.engine import LedgerService
 from services import transport, wire
 from services.config import LedgerConfig, WorkerConfig
 from services.messages import (

@@ -8,7 +8,7 @@ import random
 
 import msgpack
 
-from ledger.hashing import to_event_hash
+from ledger.core.hashing import to_event_hash
 from services import transport, wire
 from services.messages import GenerateRequest, SamplingParams, WorkerShutdown
 from tests.services.stack import Result, Stack, dense_greedy

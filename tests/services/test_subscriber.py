@@ -7,7 +7,7 @@ import asyncio
 import re
 from collections import Counter
 
-from ledger.hashing import BlockHasher, resolve_none_hash_seed, to_event_hash
+from ledger.core.hashing import BlockHasher, resolve_none_hash_seed, to_event_hash
 from services.subscriber import KVEventSubscriber
 from tests.services.stack import Stack
 from tests.services.test_ledger_service import prompts

@@ -18,15 +18,15 @@ import uuid
 
 import redis.asyncio as aioredis
 
-from ledger.event_stream import KVEventStream
-from ledger.events import AllBlocksCleared
-from ledger.hashing import BlockHasher
-from ledger.kv_cache_manager import KVCacheManager
-from ledger.request import Request, RequestStatus
-from ledger.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
-from ledger.step_results import StepResults
-from ledger.telemetry import LedgerTelemetry
-from ledger.translate import (
+from ledger.core.events import AllBlocksCleared
+from ledger.core.hashing import BlockHasher
+from ledger.core.kv_cache_manager import KVCacheManager
+from ledger.core.request import Request, RequestStatus
+from ledger.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.service.event_stream import KVEventStream
+from ledger.service.step_results import StepResults
+from ledger.service.telemetry import LedgerTelemetry
+from ledger.service.translate import (
     Tracked,
     build_step_message,
     rejection,
@@ -34,7 +34,7 @@ from ledger.translate import (
     request_output,
     validate_request,
 )
-from ledger.workers import membership_changes, plan_pool
+from ledger.service.workers import membership_changes, plan_pool
 from observability import LedgerMetrics, get_logger, new_registry
 from services import registry, transport
 from services.config import LedgerConfig
@@ -46,7 +46,7 @@ from services.messages import (
     RequestOutput,
     WorkerHello,
 )
-from services.wire import WireError, encode
+from services.wire import WireError, encode, kind_of
 
 log = get_logger("kvledger.ledger")
 
@@ -73,9 +73,9 @@ class LedgerService:
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
         # The last step's results, sent to the gateways while the workers run the next step.
-        self.unsent: list[RequestUpdate] = []
+        self.unsent: list[RequestUpdate[Tracked]] = []
         self.requests_reader = transport.GroupReader(r, [self.streams.requests], "ledger", CONSUMER)
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler[Tracked] | None = None
         self.manager: KVCacheManager | None = None
         self.hasher: BlockHasher | None = None
         self.metrics: LedgerMetrics | None = None
@@ -208,7 +208,7 @@ class LedgerService:
         scheduler = self.scheduler
         assert scheduler is not None and self.manager is not None and self.telemetry is not None
         depth = 2 if self.cfg.async_scheduling else 1
-        in_flight: collections.deque[tuple[SchedulerOutput, float]] = collections.deque()
+        in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = collections.deque()
         while not self.stopping.is_set():
             await self._drain_intake()
             if self.membership_changed:
@@ -260,7 +260,7 @@ class LedgerService:
                 async with asyncio.timeout(timeout):
                     await self.intake_event.wait()
 
-    async def _await_results(self, out: SchedulerOutput) -> dict[str, int] | None:
+    async def _await_results(self, out: SchedulerOutput[Tracked]) -> dict[str, int] | None:
         return await self.step_results.wait(
             out, dict(self.workers), self.cfg.step_timeout_s,
             give_up=lambda: self.membership_changed or self.stopping.is_set(),
@@ -273,7 +273,9 @@ class LedgerService:
         )
         self.membership_changed = False
         preemptions = self.scheduler.preempt_all(reason="worker_lost")
-        out = SchedulerOutput(step_id=self.scheduler.step_id, preemptions=preemptions)
+        out: SchedulerOutput[Tracked] = SchedulerOutput(
+            step_id=self.scheduler.step_id, preemptions=preemptions
+        )
         self.telemetry.on_schedule(out, self.manager)
         await self._publish_events(self.manager.take_events())
         self.manager.reset_prefix_cache()
@@ -306,7 +308,7 @@ class LedgerService:
                 await self.requests_reader.ack([entry])
             else:
                 await self._dead_letter(
-                    entry, f"field 'kind': {msg.KIND!r} does not belong on the requests stream"
+                    entry, f"field 'kind': {kind_of(msg)!r} does not belong on the requests stream"
                 )
 
     async def _add_request(self, entry: transport.Entry, msg: GenerateRequest) -> None:
@@ -362,17 +364,20 @@ class LedgerService:
             if update.finished:
                 await self._finish_tracking(update.request, None)
 
-    async def _finish_tracking(self, request: Request, final: RequestOutput | None) -> None:
-        tracked: Tracked = request.payload
+    async def _finish_tracking(
+        self, request: Request[Tracked], final: RequestOutput | None
+    ) -> None:
+        tracked = request.payload
         if self.telemetry is not None:
             self.telemetry.request_finished(request.request_id)
         if final is not None:
             await self._flush_outputs()  # a final output must not overtake tokens held back
             await self._send(tracked.msg.gateway_id, final)
-        await self.requests_reader.ack([tracked.entry])
+        if tracked.entry is not None:
+            await self.requests_reader.ack([tracked.entry])
 
     async def _send(self, gateway_id: str, out: RequestOutput) -> None:
-        await transport.append(self.r, self.streams.outputs(gateway_id), out)
+        await transport.append(self.r, self.streams.outputs(gateway_id), OutputBatch(outputs=[out]))
 
     async def _dead_letter(self, entry: transport.Entry, error: str) -> None:
         await transport.dead_letter(self.r, self.streams.dead_letters, entry, error)

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 from opentelemetry import context as otel_context
 
-from ledger.hashing import to_event_hash
-from ledger.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from ledger.scheduler import Scheduler, SchedulerOutput
+from ledger.core.hashing import to_event_hash
+from ledger.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from ledger.core.scheduler import Scheduler, SchedulerOutput
 from observability import (
     Attr,
     LedgerMetrics,

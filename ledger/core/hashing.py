@@ -18,7 +18,7 @@ from typing import Any
 import cbor2
 import xxhash as _xxhash
 
-from ledger.block import BlockHash
+from ledger.core.block import BlockHash
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")

@@ -1,8 +1,11 @@
-"""Plain-text tables for the command line and the benchmarks."""
+"""Plain-text tables and JSON result files for the command line and the benchmarks."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def format_table(
@@ -37,3 +40,12 @@ def _numeric(text: str) -> bool:
         text.replace(",", "").replace(".", "").replace("%", "").replace("x", "").replace("-", "")
     )
     return stripped.isdigit()
+
+
+def write_json(path: Path, payload: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def now_stamp() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

@@ -9,7 +9,7 @@ from aiohttp import web
 from observability import metrics_handler
 
 if TYPE_CHECKING:
-    from ledger.service import LedgerService
+    from ledger.service.engine import LedgerService
 
 
 def metrics_app(service: LedgerService) -> web.Application:

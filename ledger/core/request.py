@@ -1,7 +1,8 @@
 """A request as the ledger sees it: token ids, progress, status and its block hashes.
 
 The ledger never sees text or sampling knobs beyond the stop rules; whatever the I/O shell
-needs to carry along (the wire sampling params, the trace context) rides in `payload`.
+needs to carry along (the wire sampling params, the trace context) rides in `payload`, typed
+by the caller: `Request[Tracked]` in the ledger service.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Generic, TypeVar
 
-from ledger.block import BlockHash
-from ledger.hashing import BlockHasher
+from ledger.core.block import BlockHash
+from ledger.core.hashing import BlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -42,7 +43,11 @@ _FINISH_REASONS = {
 }
 
 
-class Request:
+# What the caller keeps per request (the service: its wire message and stream entry).
+P = TypeVar("P")
+
+
+class Request(Generic[P]):
     def __init__(
         self,
         request_id: str,
@@ -58,7 +63,7 @@ class Request:
         lora_id: int | None = None,
         block_hasher: BlockHasher | None = None,
         block_size: int = 16,
-        payload: Any = None,
+        payload: P = None,  # type: ignore[assignment]  # None when the caller keeps nothing
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt has no tokens")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ledger.hashing import BlockHasher
-from ledger.request import Request
-from ledger.scheduler import SchedulerOutput
+from ledger.core.hashing import BlockHasher
+from ledger.core.request import Request
+from ledger.core.scheduler import SchedulerOutput
 from services.messages import (
     CachedRequestData,
     GenerateRequest,
@@ -55,7 +55,7 @@ def validate_request(msg: GenerateRequest, vocab_size: int, max_model_len: int) 
 
 def request_from_message(
     msg: GenerateRequest, entry: Entry | None, hasher: BlockHasher | None, block_size: int
-) -> Request:
+) -> Request[Tracked]:
     s = msg.sampling
     return Request(
         msg.req_id,
@@ -73,7 +73,7 @@ def request_from_message(
 
 
 def request_output(
-    request: Request, new_token_ids: list[int], finish_reason: str | None = None
+    request: Request[Tracked], new_token_ids: list[int], finish_reason: str | None = None
 ) -> RequestOutput:
     """What a gateway hears about a request: its new tokens and, at the end, why it ended."""
     return RequestOutput(
@@ -100,11 +100,11 @@ def rejection(msg: GenerateRequest, problem: str) -> RequestOutput:
     )
 
 
-def build_step_message(out: SchedulerOutput, epoch: str, block_size: int) -> StepMessage:
+def build_step_message(out: SchedulerOutput[Tracked], epoch: str, block_size: int) -> StepMessage:
     """The wire form of one scheduler step; each request's payload is its `Tracked`."""
 
-    def traceparent(request: Request) -> str | None:
-        return request.payload.msg.traceparent if request.payload else None
+    def traceparent(request: Request[Tracked]) -> str | None:
+        return request.payload.msg.traceparent
 
     return StepMessage(
         step_id=out.step_id,

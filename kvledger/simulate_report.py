@@ -11,10 +11,9 @@ import argparse
 import sys
 import time
 
-from ledger.simulate import prefix_granularity, run_blog_paged, run_contiguous, run_vllm
-from ledger.workloads import blog_lengths, blog_workload, shared_prefix_workload
-from services.tables import format_table
-from services.tools import now_stamp, write_json
+from kvledger.report import format_table, now_stamp, write_json
+from kvledger.simulate import prefix_granularity, run_blog_paged, run_contiguous, run_vllm
+from kvledger.workloads import blog_lengths, blog_workload, shared_prefix_workload
 
 # The blog's published figures (peak, steps, avg wait, waste %, preemptions) to check against.
 BLOG_HEADLINE = {"contiguous": (24, 3524, 178.9), "paged-b16": (157, 1264, 180.3, 1.02, 4)}

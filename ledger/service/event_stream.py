@@ -8,13 +8,14 @@ of that entry's id: a subscriber loads it and reads the stream from that id on.
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import msgpack
 import redis.asyncio as aioredis
 
-from ledger.block_pool import BlockPool
-from ledger.events import KVCacheEvent, KVEventBatch, encode_batch
-from ledger.hashing import to_event_hash
+from ledger.core.block_pool import BlockPool
+from ledger.core.events import KVCacheEvent, KVEventBatch, encode_batch
+from ledger.core.hashing import to_event_hash
 from services.config import StreamNames
 
 
@@ -44,8 +45,11 @@ class KVEventStream:
         if not events:
             return 0
         batch = encode_batch(KVEventBatch(time.time(), events))
-        self.last_id = await self.r.xadd(
-            self.streams.events, {b"batch": batch}, maxlen=self.maxlen, approximate=True
+        self.last_id = cast(
+            bytes,
+            await self.r.xadd(
+                self.streams.events, {b"batch": batch}, maxlen=self.maxlen, approximate=True
+            ),
         )
         self.published += len(events)
         if time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:

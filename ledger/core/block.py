@@ -79,12 +79,13 @@ class FreeKVCacheBlockQueue:
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} are free")
         taken = []
-        block = self.head.next_free_block
+        # Links inside the queue are never None (the sentinels close it): typed as set.
+        block: KVCacheBlock = self.head.next_free_block  # type: ignore[assignment]
         for _ in range(n):
             taken.append(block)
             nxt = block.next_free_block
             block.prev_free_block = block.next_free_block = None
-            block = nxt
+            block = nxt  # type: ignore[assignment]
         self.head.next_free_block = block
         block.prev_free_block = self.head
         self.num_free_blocks -= n
@@ -103,7 +104,7 @@ class FreeKVCacheBlockQueue:
         self.append_n((block,))
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        last = self.tail.prev_free_block
+        last: KVCacheBlock = self.tail.prev_free_block  # type: ignore[assignment]
         count = 0
         for block in blocks:
             last.next_free_block = block
@@ -115,7 +116,7 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += count
 
     def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        first = self.head.next_free_block
+        first: KVCacheBlock = self.head.next_free_block  # type: ignore[assignment]
         prev = self.head
         count = 0
         for block in blocks:
@@ -128,10 +129,10 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks += count
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
-        block = self.head.next_free_block
+        block: KVCacheBlock = self.head.next_free_block  # type: ignore[assignment]
         while block is not self.tail:
             yield block
-            block = block.next_free_block
+            block = block.next_free_block  # type: ignore[assignment]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         return list(self)

@@ -6,10 +6,21 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-from observability import configure_logging, get_logger, get_tracer, setup_tracing, shutdown_tracing
-from services.config import CommonConfig
+import redis.asyncio as aioredis
+from opentelemetry.trace import Tracer
+
+from observability import (
+    TracingSettings,
+    configure_logging,
+    get_logger,
+    get_tracer,
+    setup_tracing,
+    shutdown_tracing,
+)
+from services.config import CommonConfig, env, secret_values
 from services.transport import connect
 
 
@@ -24,15 +35,33 @@ def require_redis_url(config: CommonConfig, service: str) -> str:
     return config.redis_url
 
 
+def tracing_settings() -> TracingSettings:
+    """OpenTelemetry's standard variables (declared in services.config.ENV_VARS)."""
+    return TracingSettings(
+        endpoint=env("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        exporters=env("OTEL_TRACES_EXPORTER"),
+        protocol=env("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf",
+        service_name=env("OTEL_SERVICE_NAME"),
+    )
+
+
+def setup_observability(service: str, config: CommonConfig) -> Tracer | None:
+    """Logging and tracing for one service process; the tracer is None when tracing is off,
+    so services skip building spans altogether."""
+    name = f"kvledger-{service}"
+    configure_logging(name, level=config.log_level, fmt=config.log_format, secrets=secret_values())
+    return get_tracer(name) if setup_tracing(name, tracing_settings()) else None
+
+
 def run_service(
-    service: str, config: CommonConfig, main: Callable[[object, object], Awaitable[None]]
+    service: str,
+    config: CommonConfig,
+    main: Callable[[aioredis.Redis, Tracer | None], Coroutine[Any, Any, None]],
 ) -> int:
     """Run `main(redis, tracer)` until it returns or SIGINT/SIGTERM; returns the exit code."""
-    configure_logging(f"kvledger-{service}", level=config.log_level, fmt=config.log_format)
     log = get_logger(f"kvledger.{service}")
     url = require_redis_url(config, service)
-    # None when tracing is off, so services skip building spans altogether.
-    tracer = get_tracer(f"kvledger-{service}") if setup_tracing(f"kvledger-{service}") else None
+    tracer = setup_observability(service, config)
 
     async def runner() -> int:
         r = connect(url)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from services.config import GatewayConfig, LedgerConfig, WorkerConfig, add_arguments, from_arguments
 
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvledger", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from services import launcher, tools
+    from kvledger import launcher, tools
 
     launcher.add_parser(sub)
     for name, cls, helptext in (
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args) or 0
 
 
-def _service_main(name: str, cls: type):
+def _service_main(
+    name: str, cls: type[LedgerConfig | WorkerConfig | GatewayConfig]
+) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         from services.config import ConfigError
 
@@ -46,7 +49,11 @@ def _service_main(name: str, cls: type):
         except ConfigError as exc:
             print(f"kvledger {name}: {exc}", file=sys.stderr)
             return 2
-        return {"ledger": run_ledger, "worker": run_worker, "gateway": run_gateway}[name](config)
+        if isinstance(config, LedgerConfig):
+            return run_ledger(config)
+        if isinstance(config, WorkerConfig):
+            return run_worker(config)
+        return run_gateway(config)
 
     return run
 
@@ -54,10 +61,10 @@ def _service_main(name: str, cls: type):
 def run_ledger(config: LedgerConfig) -> int:
     from aiohttp import web
 
-    from ledger.http import metrics_app
-    from ledger.service import LedgerService
-    from ledger.workers import StartupError
-    from services.runtime import run_service
+    from kvledger.runtime import run_service
+    from ledger.service.engine import LedgerService
+    from ledger.service.http import metrics_app
+    from ledger.service.workers import StartupError
 
     async def main(r, tracer) -> None:
         service = LedgerService(config, r, tracer)
@@ -82,7 +89,7 @@ def run_worker(config: WorkerConfig) -> int:
     from gpu_worker.profile import ProfileSettings
     from gpu_worker.runner import ModelRunner, RunnerConfig
     from gpu_worker.service import WorkerService, configure_torch_threads
-    from services.runtime import run_service
+    from kvledger.runtime import run_service
 
     async def main(r, tracer) -> None:
         import asyncio
@@ -127,12 +134,11 @@ def run_gateway(config: GatewayConfig) -> int:
     import asyncio
 
     from gateway.app import serve
-    from observability import configure_logging, setup_tracing, shutdown_tracing
-    from services.runtime import require_redis_url
+    from kvledger.runtime import require_redis_url, setup_observability
+    from observability import shutdown_tracing
 
-    configure_logging("kvledger-gateway", level=config.log_level, fmt=config.log_format)
     require_redis_url(config, "gateway")
-    setup_tracing("kvledger-gateway")
+    setup_observability("gateway", config)
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import cast
 
 import redis
 
@@ -117,7 +118,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         for role in ("ledger", "worker", "gateway"):
-            children[role] = subprocess.Popen([sys.executable, "-m", "services.cli", role], env=env)
+            children[role] = subprocess.Popen([sys.executable, "-m", "kvledger.cli", role], env=env)
         status = _wait_for_ledger(
             redis_url, env.get("KVLEDGER_STREAM_PREFIX", "kvl"), children, args.startup_timeout
         )
@@ -156,7 +157,7 @@ def _wait_for_ledger(
                         file=sys.stderr,
                     )
                     return None
-            data = client.get(StreamNames(prefix).ledger_status)
+            data = cast("bytes | None", client.get(StreamNames(prefix).ledger_status))
             if data:
                 return wire.decode(data, LedgerStatus)
             time.sleep(0.2)

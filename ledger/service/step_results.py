@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from ledger.scheduler import SchedulerOutput
+from ledger.core.scheduler import SchedulerOutput
 from observability import get_logger
 from services import transport
 from services.messages import StepResult, WorkerHello

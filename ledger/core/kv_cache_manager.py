@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from ledger.block import KVCacheBlock
-from ledger.block_pool import BlockPool, Eviction
-from ledger.capacity import cdiv
-from ledger.events import KVCacheEvent
-from ledger.hashing import block_extra_keys, to_event_extra_keys
-from ledger.request import Request, RequestStatus
+from ledger.core.block import KVCacheBlock
+from ledger.core.block_pool import BlockPool, Eviction
+from ledger.core.capacity import cdiv
+from ledger.core.events import KVCacheEvent
+from ledger.core.hashing import block_extra_keys, to_event_extra_keys
+from ledger.core.request import Request, RequestStatus
 
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 

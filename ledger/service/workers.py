@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ledger.capacity import BlockCost, capacity_line, check_enough_blocks
+from ledger.core.capacity import BlockCost, capacity_line, check_enough_blocks
 from services.messages import WorkerHello
 
 

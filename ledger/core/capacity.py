@@ -140,7 +140,7 @@ def estimate_max_model_len(
 
 
 def check_enough_kv_cache_memory(
-    available_bytes: int, shape: KVCacheShape, max_model_len: int
+    available_bytes: int, shape: KVCacheShape | BlockCost, max_model_len: int
 ) -> None:
     """Refuse to start when one request of max_model_len cannot fit, with vLLM's messages.
 

@@ -6,26 +6,27 @@ Plain data: the ledger service turns it into wire messages, traces and metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic
 
-from ledger.block_pool import Eviction
-from ledger.request import Request
+from ledger.core.block_pool import Eviction
+from ledger.core.request import P, Request
 
 
 @dataclass(slots=True)
-class NewRequestData:
+class NewRequestData(Generic[P]):
     """A request the workers have not seen (new, or resumed after preemption): all its blocks."""
 
-    request: Request
+    request: Request[P]
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
 
 
 @dataclass(slots=True)
-class CachedRequestData:
+class CachedRequestData(Generic[P]):
     """A running request: only the tokens and blocks appended since its last step."""
 
-    request: Request
+    request: Request[P]
     new_token_ids: list[int]
     new_block_ids: list[int]
     num_computed_tokens: int
@@ -51,10 +52,10 @@ class Preemption:
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
+class SchedulerOutput(Generic[P]):
     step_id: int
-    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    scheduled_new_reqs: list[NewRequestData[P]] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData[P]] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
@@ -75,10 +76,10 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class RequestUpdate:
+class RequestUpdate(Generic[P]):
     """One request's result of a step: the token it got and whether it finished."""
 
-    request: Request
+    request: Request[P]
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None

@@ -9,8 +9,8 @@ vLLM's older positional events (arrays tagged by their first element).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import msgpack
 
@@ -35,7 +35,7 @@ class BlockStored:
     session_id: str | None = None
     lookahead_token_ids: list[list[int]] | None = None
 
-    REQUIRED = (
+    REQUIRED: ClassVar[tuple[str, ...]] = (
         "block_hashes",
         "parent_block_hash",
         "token_ids",
@@ -54,20 +54,20 @@ class BlockRemoved:
     locality: str | None = None
     ownership: str | None = None
 
-    REQUIRED = ("block_hashes", "medium")
+    REQUIRED: ClassVar[tuple[str, ...]] = ("block_hashes", "medium")
 
 
 @dataclass(slots=True)
 class AllBlocksCleared:
-    REQUIRED = ()
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
-EVENT_TYPES: dict[str, type] = {
+EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
     cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
 }
 _FIELDS: dict[type, tuple[str, ...]] = {
-    cls: tuple(f for f in cls.__dataclass_fields__) for cls in EVENT_TYPES.values()
+    cls: tuple(f.name for f in fields(cls)) for cls in EVENT_TYPES.values()
 }
 
 

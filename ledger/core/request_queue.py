@@ -4,38 +4,39 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from typing import Generic
 
-from ledger.request import Request
+from ledger.core.request import P, Request
 
 
-class WaitingQueue:
+class WaitingQueue(Generic[P]):
     """FCFS (a deque) or priority (a heap ordered by Request.__lt__) waiting queue."""
 
     def __init__(self, policy: str) -> None:
         self.priority = policy == "priority"
-        self._fcfs: deque[Request] = deque()
-        self._heap: list[Request] = []
+        self._fcfs: deque[Request[P]] = deque()
+        self._heap: list[Request[P]] = []
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request[P]) -> None:
         if self.priority:
             heapq.heappush(self._heap, request)
         else:
             self._fcfs.append(request)
 
-    def prepend(self, request: Request) -> None:
+    def prepend(self, request: Request[P]) -> None:
         """A preempted request goes back to the front (its own priority decides in a heap)."""
         if self.priority:
             heapq.heappush(self._heap, request)
         else:
             self._fcfs.appendleft(request)
 
-    def peek(self) -> Request:
+    def peek(self) -> Request[P]:
         return self._heap[0] if self.priority else self._fcfs[0]
 
-    def pop(self) -> Request:
+    def pop(self) -> Request[P]:
         return heapq.heappop(self._heap) if self.priority else self._fcfs.popleft()
 
-    def remove(self, request: Request) -> None:
+    def remove(self, request: Request[P]) -> None:
         if self.priority:
             self._heap.remove(request)
             heapq.heapify(self._heap)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
-import time
 from pathlib import Path
 
-from ledger.capacity import (
+from kvledger.report import format_table
+from ledger.core.capacity import (
     KVCacheShape,
     capacity_line,
     check_enough_kv_cache_memory,
@@ -17,9 +16,8 @@ from ledger.capacity import (
     kv_budget_from_utilization,
     num_blocks_from_memory,
 )
-from ledger.hashing import HASH_ALGOS, BlockHasher, resolve_none_hash_seed, to_event_hash
+from ledger.core.hashing import HASH_ALGOS, BlockHasher, resolve_none_hash_seed, to_event_hash
 from services.config import parse_bytes
-from services.tables import format_table
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -144,7 +142,7 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from services.simulate_report import run_and_report
+    from kvledger.simulate_report import run_and_report
 
     return run_and_report(args)
 
@@ -159,16 +157,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     if not url:
         print("kvledger events: set --redis-url or KVLEDGER_REDIS_URL", file=sys.stderr)
         return 2
-    prefix = args.stream_prefix or env("KVLEDGER_STREAM_PREFIX", "kvl")
+    prefix = args.stream_prefix or env("KVLEDGER_STREAM_PREFIX") or "kvl"
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(print_events(url, prefix, args.start, args.count))
     return 0
-
-
-def write_json(path: Path, payload: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-
-
-def now_stamp() -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

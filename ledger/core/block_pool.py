@@ -11,9 +11,9 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ledger.block import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
-from ledger.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from ledger.hashing import to_event_hash
+from ledger.core.block import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from ledger.core.hashing import to_event_hash
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class BlockHashToBlockMap:
 
     def get_one_block(self, key: BlockHash) -> KVCacheBlock | None:
         blocks = self._cache.get(key)
-        if blocks is None or type(blocks) is KVCacheBlock:
+        if blocks is None or isinstance(blocks, KVCacheBlock):
             return blocks
         return next(iter(blocks.values()))
 
@@ -50,7 +50,7 @@ class BlockHashToBlockMap:
         blocks = self._cache.get(key)
         if blocks is None:
             self._cache[key] = block
-        elif type(blocks) is KVCacheBlock:
+        elif isinstance(blocks, KVCacheBlock):
             self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
         else:
             blocks[block.block_id] = block
@@ -59,7 +59,7 @@ class BlockHashToBlockMap:
         blocks = self._cache.get(key)
         if blocks is None:
             return None
-        if type(blocks) is KVCacheBlock:
+        if isinstance(blocks, KVCacheBlock):
             if blocks.block_id != block_id:
                 return None
             del self._cache[key]
@@ -75,7 +75,7 @@ class BlockHashToBlockMap:
         blocks = self._cache.get(key)
         if blocks is None:
             return []
-        return [blocks] if type(blocks) is KVCacheBlock else list(blocks.values())
+        return [blocks] if isinstance(blocks, KVCacheBlock) else list(blocks.values())
 
     def keys(self) -> Iterable[BlockHash]:
         return self._cache.keys()
@@ -121,12 +121,11 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if block.block_hash is not None:
-                self._evict(block)
+                self._evict(block, block.block_hash)
             block.ref_cnt = 1
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        block_hash = block.block_hash
+    def _evict(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         if self.cached_block_hash_to_block.pop(block_hash, block.block_id) is not None:
             if self.enable_kv_cache_events:
                 self.kv_event_queue.append(

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Generic
 
-from ledger.kv_cache_manager import KVCacheManager
-from ledger.request import Request, RequestStatus
-from ledger.request_queue import WaitingQueue
-from ledger.scheduler_output import (
+from ledger.core.kv_cache_manager import KVCacheManager
+from ledger.core.request import P, Request, RequestStatus
+from ledger.core.request_queue import WaitingQueue
+from ledger.core.scheduler_output import (
     Admission,
     CachedRequestData,
     NewRequestData,
@@ -54,7 +55,7 @@ class SchedulerConfig:
             )
 
 
-class Scheduler:
+class Scheduler(Generic[P]):
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -69,9 +70,9 @@ class Scheduler:
                 "max_model_len or give the pool more blocks."
             )
         self.block_size = kv_cache_manager.block_size
-        self.requests: dict[str, Request] = {}
-        self.waiting = WaitingQueue(config.policy)
-        self.running: list[Request] = []
+        self.requests: dict[str, Request[P]] = {}
+        self.waiting: WaitingQueue[P] = WaitingQueue(config.policy)
+        self.running: list[Request[P]] = []
         self.step_id = 0
         self.num_preemptions = 0
         # Requests freed since the last step: the workers drop their state.
@@ -79,7 +80,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests in and out
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request[P]) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         if request.num_tokens >= self.config.max_model_len:
@@ -95,7 +96,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus
+    ) -> list[Request[P]]:
         """Abort (or fail) requests wherever they are; returns those that were still known."""
         finished = []
         for request_id in request_ids:
@@ -113,9 +116,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[P]:
         self.step_id += 1
-        out = SchedulerOutput(step_id=self.step_id, finished_req_ids=self.finished_req_ids)
+        out: SchedulerOutput[P] = SchedulerOutput(
+            step_id=self.step_id, finished_req_ids=self.finished_req_ids
+        )
         self.finished_req_ids = set()
         token_budget = self.config.max_num_batched_tokens
         # Capping one request's prefill only matters when another request could use the budget.
@@ -125,7 +130,7 @@ class Scheduler:
             else 0
         )
         new_blocks_of: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
+        scheduled_running: list[Request[P]] = []
 
         # 1. Running requests first, oldest first.
         index = 0
@@ -168,7 +173,7 @@ class Scheduler:
             index += 1
 
         # 2. Waiting requests, only when nobody was preempted this step.
-        scheduled_new: list[Request] = []
+        scheduled_new: list[Request[P]] = []
         while not out.preemptions and len(self.waiting) and token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -243,7 +248,7 @@ class Scheduler:
                     request.num_output_placeholders += 1
         return out
 
-    def _has_all_outputs_in_flight(self, request: Request) -> bool:
+    def _has_all_outputs_in_flight(self, request: Request[P]) -> bool:
         """Async scheduling: the tokens still being sampled already finish the request."""
         pending = request.num_output_placeholders
         return pending > 0 and (
@@ -252,7 +257,7 @@ class Scheduler:
         )
 
     def _num_new_tokens(
-        self, request: Request, num_computed: int, token_budget: int, threshold: int
+        self, request: Request[P], num_computed: int, token_budget: int, threshold: int
     ) -> int:
         num_new = request.num_tokens + request.num_output_placeholders - num_computed
         if 0 < threshold < num_new:
@@ -260,12 +265,12 @@ class Scheduler:
         # Leave room for the token this step samples.
         return max(min(num_new, token_budget, self.config.max_model_len - num_computed - 1), 0)
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self) -> Request[P]:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, caused_by: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request[P], caused_by: Request[P], out: SchedulerOutput[P]) -> None:
         """Preempt by recompute: free every block (tail first), start over from the front."""
         num_freed = self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -277,7 +282,7 @@ class Scheduler:
         out.preempted_req_ids.append(request.request_id)
         out.preemptions.append(Preemption(request.request_id, caused_by.request_id, num_freed))
 
-    def _attribute_evictions(self, out: SchedulerOutput, request: Request) -> None:
+    def _attribute_evictions(self, out: SchedulerOutput[P], request: Request[P]) -> None:
         evictions = self.kv_cache_manager.take_evictions()
         if evictions:
             out.evictions.setdefault(request.request_id, []).extend(evictions)
@@ -285,8 +290,8 @@ class Scheduler:
     # ---------------------------------------------------------------- results of a step
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[RequestUpdate]:
+        self, out: SchedulerOutput[P], sampled: dict[str, int]
+    ) -> list[RequestUpdate[P]]:
         """Append each sampled token, stop finished requests and free their blocks.
 
         With async scheduling a later step may already be in flight: a request preempted since
@@ -321,7 +326,7 @@ class Scheduler:
                 updates.append(RequestUpdate(request, [token], False))
         return updates
 
-    def _check_stop(self, request: Request) -> bool:
+    def _check_stop(self, request: Request[P]) -> bool:
         # vLLM's order: EOS and stop tokens first. min_tokens is the sampler's job (the worker
         # masks EOS and stop tokens until then), so the ledger never second-guesses a token.
         last = request.all_token_ids[-1]
@@ -340,7 +345,7 @@ class Scheduler:
             return True
         return False
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request[P]) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -349,7 +354,7 @@ class Scheduler:
 
     def preempt_all(self, reason: str) -> list[Preemption]:
         """Preempt every running request (a worker was lost: its KV data is gone)."""
-        out = SchedulerOutput(step_id=self.step_id)
+        out: SchedulerOutput[P] = SchedulerOutput(step_id=self.step_id)
         for request in reversed(list(self.running)):
             self.running.remove(request)
             self._preempt(request, caused_by=request, out=out)
