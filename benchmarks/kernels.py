@@ -122,12 +122,22 @@ def kv_bytes(batch: int, context: int) -> int:
 # ---- the methods -------------------------------------------------------------------------------
 
 
+@functools.cache
+def backend() -> kernels.AttentionBackend:
+    """What a worker serving this shape on this GPU runs (kernels.select_backend)."""
+    spec = kernels.AttentionSpec(torch.device(DEVICE), DTYPE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    return kernels.select_backend(spec, "cuda")
+
+
 def ours(inp: dict[str, Any], max_query_len: int, max_seq_len: int) -> torch.Tensor:
-    return kernels.paged_attention(
-        inp["query"], inp["key_cache"], inp["value_cache"], inp["block_tables"],
-        inp["seq_lens"], inp["query_start_loc"], inp["scale"],
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
+    """The worker's path: one step plan, attention through it (decodes in the kernel, long
+    prefills through SDPA on gathered K/V)."""
+    no_slots = torch.empty(0, dtype=torch.long, device=DEVICE)
+    plan = backend().plan(
+        no_slots, inp["block_tables"], inp["seq_lens"], inp["query_start_loc"],
+        max_query_len, max_seq_len,
     )  # fmt: skip
+    return plan.attention(inp["query"], (inp["key_cache"], inp["value_cache"]), inp["scale"])
 
 
 def kernel_only(inp: dict[str, Any], max_query_len: int, max_seq_len: int) -> torch.Tensor:
@@ -377,9 +387,9 @@ def cache_write_sweep(results: Results, timer: Timer) -> None:
         key = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
         value = torch.randn_like(key)
         slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:tokens]
-        write = functools.partial(
-            kernels.reshape_and_cache, key, value, key_cache, value_cache, slots
-        )
+        no_seqs = torch.empty(0, dtype=torch.int32, device=DEVICE)
+        plan = backend().plan(slots, no_seqs.view(0, 1), no_seqs, no_seqs, 0, 0)
+        write = functools.partial(plan.write_kv, key, value, (key_cache, value_cache))
         ms = timer(write)
         moved = 2 * 2 * key.numel() * key.element_size()  # K and V, read and written
         results.data["cache_write"].append(
@@ -487,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         cuda.load()
         results.data["build_seconds"] = time.perf_counter() - started
-        results.data["backend"] = kernels.backend("cuda")
+        results.data["backend"] = backend().name
         results.data["copy_bandwidth"] = copy_bandwidth(timer)
 
     run_phase(results, "build_and_copy", 300, setup)

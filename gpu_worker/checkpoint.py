@@ -178,10 +178,12 @@ def resolve_dtype(
         return requested
     if requested in (None, "auto"):
         chosen = DTYPES.get(checkpoint_dtype, torch.float32)
-        # CPU float16 matmuls are slow or missing; float32 keeps the checkpoint's values exactly.
-        if torch.device(device).type == "cpu" and chosen == torch.float16:
-            return torch.float32
-        return chosen
+        if torch.device(device).type == "cpu":
+            # CPU float16 matmuls are slow or missing; float32 keeps the values exactly.
+            return torch.float32 if chosen == torch.float16 else chosen
+        # vLLM's rule on a GPU: float32 checkpoints are served in bfloat16 (the CUDA kernels'
+        # dtypes); --dtype float32 still asks for float32 (with --kernels reference).
+        return torch.bfloat16 if chosen == torch.float32 else chosen
     if requested not in DTYPES:
         raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[requested]

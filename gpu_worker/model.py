@@ -14,12 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import paged_attention, reshape_and_cache
+from kernels import AttentionPlan, KVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache of one layer
 
 
 class ModelConfigError(ValueError):
@@ -111,18 +109,6 @@ def _active_sliding_window(hf: dict[str, Any], arch: str) -> int | None:
     return int(window)
 
 
-@dataclass(slots=True)
-class AttentionMetadata:
-    """The paged-attention inputs of one step, shared by every layer."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
-    max_query_len: int
-    max_seq_len: int
-
-
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """RoPE inverse frequencies [head_dim // 2] in float32, with linear or llama3 scaling."""
     dim = cfg.head_dim
@@ -191,28 +177,17 @@ class LlamaAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache | None,
-        meta: AttentionMetadata | None,
+        plan: AttentionPlan | None,
     ) -> torch.Tensor:
         n = x.shape[0]
         q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if kv_cache is None or meta is None:
+        if kv_cache is None or plan is None:
             out = self._dense(q, k, v)
         else:
-            key_cache, value_cache = kv_cache
-            reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-            out = paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                self.scale,
-                max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len,
-            )
+            plan.write_kv(k, v, kv_cache)
+            out = plan.attention(q, kv_cache, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -254,9 +229,9 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache | None,
-        meta: AttentionMetadata | None,
+        plan: AttentionPlan | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -290,13 +265,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache] | None = None,
-        meta: AttentionMetadata | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of flattened tokens; paged when kv_caches is given."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self._rope_tables(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, None if kv_caches is None else kv_caches[i], meta)
+            x = layer(x, cos, sin, None if kv_caches is None else kv_caches[i], plan)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -331,9 +306,11 @@ def tiny_config(vocab_size: int) -> ModelConfig:
         hidden_size=128,
         intermediate_size=344,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        # head_dim 64 with a GQA group of 2: a shape the CUDA kernels serve, so the default
+        # model runs them on a GPU; the projections have the sizes of 4 x 32 / 2 x 32 heads.
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
         max_position_embeddings=8192,
     )
 

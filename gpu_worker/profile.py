@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.model import AttentionMetadata, KVCache, LlamaForCausalLM
+from gpu_worker.model import LlamaForCausalLM
+from kernels import AttentionBackend, AttentionPlan, KVCache, TorchReference
 from ledger.core.capacity import kv_cache_bytes_per_block
 
 GiB = 1 << 30
@@ -106,8 +107,10 @@ def profile_memory(
     settings: ProfileSettings,
     start: CudaSnapshot | None = None,
     mem_available: int | None = None,
+    backend: AttentionBackend | None = None,
 ) -> MemoryProfile:
-    """Size the KV cache for `model` on its device (block count, budget and the inputs used)."""
+    """Size the KV cache for `model` on its device (block count, budget and the inputs used).
+    On CUDA the profile run's attention is the worker's own `backend`."""
     cfg = model.config
     param = next(model.parameters())
     device = param.device
@@ -132,7 +135,7 @@ def profile_memory(
         profile.available_kv_bytes = settings.kv_cache_memory_bytes
         hint = " (`kv_cache_memory_bytes` is zero or negative)"
     elif device.type == "cuda":
-        _profile_cuda(model, settings, start, profile)
+        _profile_cuda(model, settings, start, profile, backend or TorchReference())
         hint = (
             f" Weights {profile.weights_bytes / GiB:.2f} GiB, peak activation "
             f"{profile.peak_activation_bytes / GiB:.2f} GiB and non-torch "
@@ -180,6 +183,7 @@ def _profile_cuda(
     settings: ProfileSettings,
     start: CudaSnapshot | None,
     profile: MemoryProfile,
+    backend: AttentionBackend,
 ) -> None:
     device = next(model.parameters()).device
     start = start or cuda_snapshot(device)  # taken late: weights count as torch, not others
@@ -187,7 +191,7 @@ def _profile_cuda(
     num_tokens = settings.max_num_batched_tokens
     shapes = {1, max(1, min(settings.max_num_seqs, num_tokens))}
     profile.peak_activation_bytes = max(
-        _peak_activation(model, num_tokens, n, settings.block_size) for n in shapes
+        _peak_activation(model, num_tokens, n, settings.block_size, backend) for n in shapes
     )
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -208,27 +212,37 @@ def _profile_cuda(
 
 @torch.inference_mode()
 def _peak_activation(
-    model: LlamaForCausalLM, num_tokens: int, num_seqs: int, block_size: int
+    model: LlamaForCausalLM,
+    num_tokens: int,
+    num_seqs: int,
+    block_size: int,
+    backend: AttentionBackend,
 ) -> int:
     """Peak bytes a dummy prefill step allocates beyond what existed before (its cache too)."""
     device = next(model.parameters()).device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    input_ids, positions, caches, meta = dummy_batch(model, num_tokens, num_seqs, block_size)
+    input_ids, positions, caches, plan = dummy_batch(
+        model, num_tokens, num_seqs, block_size, backend
+    )
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    hidden = model(input_ids, positions, caches, meta)
-    logits = model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+    hidden = model(input_ids, positions, caches, plan)
+    logits = model.compute_logits(hidden[plan.query_start_loc[1:].long() - 1])
     logits.float().softmax(dim=-1)  # the sampler's float32 copy
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
 
 
 def dummy_batch(
-    model: LlamaForCausalLM, num_tokens: int, num_seqs: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata]:
+    model: LlamaForCausalLM,
+    num_tokens: int,
+    num_seqs: int,
+    block_size: int,
+    backend: AttentionBackend,
+) -> tuple[torch.Tensor, torch.Tensor, list[KVCache], AttentionPlan]:
     """A prefill step of num_tokens split evenly over num_seqs sequences, with a cache of just
-    enough blocks: (input_ids, positions, kv_caches, metadata) on the model's device."""
+    enough blocks: (input_ids, positions, kv_caches, the step's plan) on the model's device."""
     cfg, bs = model.config, block_size
     param = next(model.parameters())
     device = param.device
@@ -249,5 +263,5 @@ def dummy_batch(
     slots = tables[seq_of_token, positions // bs].long() * bs + positions % bs
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int32, device=device)
     qsl[1:] = torch.cumsum(seq_lens, 0)
-    meta = AttentionMetadata(slots, tables, seq_lens, qsl, max(lens), max(lens))
-    return positions % cfg.vocab_size, positions, caches, meta
+    plan = backend.plan(slots, tables, seq_lens, qsl, max(lens), max(lens))
+    return positions % cfg.vocab_size, positions, caches, plan

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from gpu_worker.checkpoint import load_model, model_name
-from gpu_worker.model import AttentionMetadata, KVCache, LlamaForCausalLM
+from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.profile import (
     MemoryProfile,
     ProfileSettings,
@@ -22,6 +22,7 @@ from gpu_worker.profile import (
     profile_memory,
 )
 from gpu_worker.sampler import SampleRequest, position_seed, sample
+from kernels import AttentionBackend, AttentionPlan, AttentionSpec, KVCache, select_backend
 from services.messages import CachedRequestData, NewRequestData, SamplingParams, StepMessage
 
 
@@ -37,6 +38,7 @@ class RunnerConfig:
     block_size: int = 16
     max_model_len: int = 2048
     seed: int | None = None  # default model's weights (None: KVLEDGER_SEED) and unseeded sampling
+    kernels: str = "auto"  # attention backend: auto, cuda or reference (kernels.select_backend)
     profile: ProfileSettings = field(default_factory=ProfileSettings)
 
 
@@ -81,6 +83,7 @@ class ModelRunner:
         seed: int = 0,
         name: str = "",
         profile: MemoryProfile | None = None,
+        backend: AttentionBackend | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -89,6 +92,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.num_blocks, self.block_size = num_blocks, block_size
+        # Chosen once for the worker's life; reported in its hello (WorkerHello.attention_backend).
+        self.backend = backend or select_backend(attention_spec(model, block_size))
         shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
         self.kv_caches: list[KVCache] = [
             (
@@ -118,8 +123,9 @@ class ModelRunner:
             seed=cfg.seed,
             max_model_len=cfg.max_model_len,
         )
+        backend = select_backend(attention_spec(model, cfg.block_size), cfg.kernels)
         settings = dataclasses.replace(cfg.profile, block_size=cfg.block_size)
-        profile = profile_memory(model, settings, start)
+        profile = profile_memory(model, settings, start, backend=backend)
         return cls(
             model,
             profile.num_gpu_blocks,
@@ -127,6 +133,7 @@ class ModelRunner:
             seed=cfg.seed or 0,
             name=model_name(cfg.model),
             profile=profile,
+            backend=backend,
         )
 
     def reset(self) -> None:
@@ -247,8 +254,8 @@ class ModelRunner:
             )
 
     def _run(self, chunks: list[_Chunk]) -> StepOutput:
-        input_ids, positions, meta = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        input_ids, positions, plan = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_caches, plan)
         for c in chunks:
             c.state.num_computed_tokens = c.start + c.num_tokens
         # Only a chunk that reaches the end of its known tokens samples; a prefill chunk that
@@ -256,7 +263,7 @@ class ModelRunner:
         rows = [i for i, c in enumerate(chunks) if c.start + c.num_tokens == len(c.state.token_ids)]
         if not rows:
             return StepOutput({}, None, len(input_ids))
-        last = meta.query_start_loc[1:].long() - 1
+        last = plan.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last[rows]])
         sampling = [chunks[i] for i in rows]
         tokens = sample(logits, [self._sample_request(c.state) for c in sampling], self._generator)
@@ -267,10 +274,8 @@ class ModelRunner:
         sampled = {c.req_id: t for c, t in zip(sampling, tokens, strict=True)}
         return StepOutput(sampled, logits, len(input_ids))
 
-    def _prepare(
-        self, chunks: list[_Chunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flattened input ids and positions, and the attention metadata of the chunks."""
+    def _prepare(self, chunks: list[_Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
+        """Flattened input ids and positions, and the step's attention plan."""
         bs = self.block_size
         ids, pos, slots, lens = [], [], [], []
         max_blocks = max(-(-(c.start + c.num_tokens) // bs) for c in chunks)
@@ -288,7 +293,7 @@ class ModelRunner:
         qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
         qsl[1:] = np.cumsum(query_lens)
         dev = self.device
-        meta = AttentionMetadata(
+        plan = self.backend.plan(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             block_tables=torch.from_numpy(tables).to(dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
@@ -297,7 +302,7 @@ class ModelRunner:
             max_seq_len=max(lens),
         )
         input_ids = torch.from_numpy(np.concatenate(ids)).to(dev)
-        return input_ids, torch.from_numpy(np.concatenate(pos)).to(dev), meta
+        return input_ids, torch.from_numpy(np.concatenate(pos)).to(dev), plan
 
     def _sample_request(self, state: RequestState) -> SampleRequest:
         params = state.sampling
@@ -309,6 +314,20 @@ class ModelRunner:
             stops = (params.eos_token_id, *(params.stop_token_ids or ()))
             banned = [t for t in stops if t is not None and 0 <= t < self.config.vocab_size]
         return SampleRequest(params, state.generator, banned)
+
+
+def attention_spec(model: LlamaForCausalLM, block_size: int) -> AttentionSpec:
+    """What the attention backend must cover for this model, dtype and device."""
+    cfg = model.config
+    param = next(model.parameters())
+    return AttentionSpec(
+        device=param.device,
+        dtype=param.dtype,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        block_size=block_size,
+    )
 
 
 def _first_outside(ids: list[int], limit: int) -> int | None:

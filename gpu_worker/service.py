@@ -62,6 +62,7 @@ class WorkerService:
             vocab_size=runner.config.vocab_size,
             device=str(runner.device),
             started_at=time.time(),
+            attention_backend=runner.backend.name,
             detail=profile.describe() if profile else "",
         )
         self.steps_done = 0

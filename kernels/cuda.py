@@ -1,7 +1,8 @@
 """ctypes bindings to the kernels in `kernels/csrc`, and how a batch is cut into CTAs.
 
 `KernelLibrary` wraps one built library (the CUDA one, or the host-emulated one the CPU tests
-use); the module-level functions are what `kernels` dispatches to on a CUDA device.
+use); `load` builds and loads the CUDA one once per process, and `routed_attention` is what the
+`CudaKernels` backend runs for a step.
 """
 
 from __future__ import annotations
@@ -81,40 +82,6 @@ def plan_launch(
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
-
-
-def cache_write_supported(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> bool:
-    """Rows copy as 16-byte vectors: any dtype, as long as K/V match the cache."""
-    return (
-        key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
-        and key.shape[1:] == value.shape[1:] == key_cache.shape[2:] == value_cache.shape[2:]
-        and key_cache.shape == value_cache.shape
-        and key_cache.is_contiguous()
-        and value_cache.is_contiguous()
-        and _row_bytes(key) % 16 == 0
-    )
-
-
-def attention_supported(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> bool:
-    """The instantiated kernels: fp16/bf16, head_dim 64/128, block_size 16/32, GQA group <= 8."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    return (
-        query.dtype in DTYPE_CODES
-        and query.dtype == key_cache.dtype == value_cache.dtype
-        and head_dim in HEAD_DIMS
-        and key_cache.shape[3] == head_dim
-        and key_cache.shape[1] in BLOCK_SIZES
-        and key_cache.shape == value_cache.shape
-        and key_cache.is_contiguous()
-        and value_cache.is_contiguous()
-        and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= MAX_ROWS
-    )
 
 
 def _rows_of_16_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -271,43 +238,6 @@ def load() -> KernelLibrary:
         prebuilt = os.environ.get(build.PREBUILT_ENV)
         _library = KernelLibrary(Path(prebuilt) if prebuilt else build.build())
     return _library
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    with torch.cuda.device(key_cache.device):
-        stream = torch.cuda.current_stream().cuda_stream
-        load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, stream)
-
-
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-) -> torch.Tensor:
-    """`kernels.paged_attention` on a CUDA device. Without hints it syncs once for the maxima."""
-    with torch.cuda.device(query.device):
-        return routed_attention(
-            load(), torch.cuda.current_stream().cuda_stream, _num_sms(query.device.index or 0),
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-            max_query_len, max_seq_len,
-        )  # fmt: skip
 
 
 def routed_attention(

@@ -1,7 +1,7 @@
 """Pure-torch paged KV-cache ops: the semantics every CUDA kernel in `kernels/` must match.
 
-Runs on any device. The worker uses it on CPU; on CUDA it is the fallback for unsupported
-dtypes/shapes and the ground truth that the GPU tests compare against.
+Runs on any device. The worker runs it on the CPU (the `TorchReference` backend), on a GPU only
+when asked for (`--kernels reference`); it is the ground truth the kernel tests compare against.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     compute_dtype: torch.dtype | None = torch.float32,
 ) -> torch.Tensor:
-    """Causal attention of a ragged batch over the paged cache; see `kernels.paged_attention`.
+    """Causal attention of a ragged batch over the paged cache (`kernels.AttentionPlan.attention`).
 
     One gather + SDPA per sequence. Rows past `query_start_loc[-1]` (padding) come back zero.
     """

@@ -89,6 +89,7 @@ def run_worker(config: WorkerConfig) -> int:
     from gpu_worker.profile import ProfileSettings
     from gpu_worker.runner import ModelRunner, RunnerConfig
     from gpu_worker.service import WorkerService, configure_torch_threads
+    from kernels import BackendError
     from kvledger.runtime import run_service
 
     async def main(r, tracer) -> None:
@@ -111,6 +112,7 @@ def run_worker(config: WorkerConfig) -> int:
             block_size=config.block_size,
             max_model_len=config.max_model_len,
             seed=config.seed,
+            kernels=config.kernels,
             profile=ProfileSettings(
                 block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -122,7 +124,9 @@ def run_worker(config: WorkerConfig) -> int:
         )
         try:
             runner = await asyncio.to_thread(ModelRunner.create, runner_config)
-        except ValueError as exc:  # missing checkpoint files, no memory for the cache, ...
+        # Missing checkpoint files, no memory for the cache, an attention backend that cannot
+        # run this model here (BackendError): one line that says what to change, exit 3.
+        except (ValueError, BackendError) as exc:
             print(f"kvledger worker: {exc}", file=sys.stderr)
             raise SystemExit(3) from None
         await WorkerService(config, r, runner, tracer).run()

@@ -36,6 +36,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model folder (Hugging Face layout) or 'default'")
     p.add_argument("--device", default=None, help="auto, cpu or cuda")
     p.add_argument(
+        "--kernels",
+        default=None,
+        help="attention backend: auto (CUDA kernels on a GPU, torch reference on the CPU), cuda "
+        "or reference",
+    )
+    p.add_argument(
         "--kv-cache-memory-bytes",
         default=None,
         help=f"KV cache per worker (default on the CPU: {CPU_KV_CACHE_DEFAULT}; on CUDA: profiled)",
@@ -66,6 +72,7 @@ def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> d
     flags = {
         "KVLEDGER_MODEL": args.model,
         "KVLEDGER_DEVICE": args.device,
+        "KVLEDGER_KERNELS": args.kernels,
         "KVLEDGER_KV_CACHE_MEMORY_BYTES": args.kv_cache_memory_bytes,
         "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": args.num_gpu_blocks_override,
         "KVLEDGER_MAX_MODEL_LEN": args.max_model_len,

@@ -5,7 +5,7 @@ never the global default, so tests and `kvledger up` can hold several side by si
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 
 from aiohttp import web
@@ -133,6 +133,22 @@ class LedgerMetrics:
             buckets=STEP_DURATION_BUCKETS,
         ).labels(**self.labels)
         self._dead_letters = dead_letters_counter(registry)
+        self._worker_info = Gauge(
+            "kvledger_worker_info",
+            "1 for each live worker, labelled with its device and the attention backend it runs.",
+            ("worker_id", "device", "attention_backend"),
+            registry=registry,
+        )
+        self._worker_labels: set[tuple[str, str, str]] = set()
+
+    def set_workers(self, workers: Mapping[str, tuple[str, str]]) -> None:
+        """The live workers: worker id -> (device, attention backend)."""
+        labels = {(w, device, backend) for w, (device, backend) in workers.items()}
+        for gone in self._worker_labels - labels:
+            self._worker_info.remove(*gone)
+        for label in labels:
+            self._worker_info.labels(*label).set(1)
+        self._worker_labels = labels
 
     def set_scheduler_state(
         self, *, num_running: int, num_waiting: int, kv_cache_usage: float

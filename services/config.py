@@ -45,7 +45,7 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_REQUEST_TIMEOUT": "seconds a request may take before the gateway aborts it (default 600)",
     "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
     "KVLEDGER_SEED": "seed of the default model's random weights (default 0)",
-    "KVLEDGER_KERNELS": "set to 'reference' to run the torch reference kernels even on a GPU",
+    "KVLEDGER_KERNELS": "attention backend: auto (default), cuda, or reference (the torch reference, even on a GPU)",
     "KVLEDGER_KERNEL_CACHE": "where JIT-built CUDA kernels are cached (default ~/.cache/kvledger/kernels)",
     "KVLEDGER_KERNEL_LIB": "a prebuilt libkvledger_kernels.so to load instead of building one",
     "KVLEDGER_NVCC": "the nvcc to build the CUDA kernels with (default: PATH, CUDA_HOME)",
@@ -264,6 +264,13 @@ class WorkerConfig(CommonConfig, EngineShape):
     worker_id: str | None = _opt("KVLEDGER_WORKER_ID", None, "this worker's id (default: host-pid)")
     model: str = _opt("KVLEDGER_MODEL", "default", "model folder, or 'default' for the tiny Llama")
     device: str = _opt("KVLEDGER_DEVICE", "auto", "auto, cpu or cuda")
+    kernels: str = _opt(
+        "KVLEDGER_KERNELS",
+        "auto",
+        "attention backend: auto (CUDA kernels on a GPU, the torch reference on the CPU), cuda "
+        "or reference",
+        lambda text: _choice(text, ("auto", "cuda", "reference")),
+    )
     dtype: str = _opt("KVLEDGER_DTYPE", "auto", "auto, float32, float16 or bfloat16")
     seed: int = _opt("KVLEDGER_SEED", 0, "seed of the default model's weights", int)
     gpu_memory_utilization: float = _opt(

@@ -103,6 +103,7 @@ class WorkerHello(Message, tag="hello"):
     vocab_size: int
     device: str
     started_at: float
+    attention_backend: str = ""  # "cuda" (kernels/csrc) or "torch-reference", chosen at start-up
     detail: str = ""  # the memory profile, for the ledger's start-up log
 
 
@@ -153,3 +154,4 @@ class LedgerStatus(Message, tag="ledger_status"):
     num_running: int = 0
     num_waiting: int = 0
     metrics: dict[str, float] | None = None  # LedgerSnapshot, mirrored by the gateway's /metrics
+    attention_backends: dict[str, str] | None = None  # worker id -> the backend it runs

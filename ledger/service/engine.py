@@ -425,6 +425,10 @@ class LedgerService:
             await self._write_status()
             await asyncio.sleep(min(1.0, self.cfg.worker_ttl_s / 3))
 
+    def attention_backends(self) -> dict[str, str]:
+        """worker id -> the attention backend it chose at start-up (from its hello)."""
+        return {w: h.attention_backend for w, h in sorted(self.workers.items())}
+
     async def _write_status(self) -> None:
         scheduler = self.scheduler
         status = LedgerStatus(
@@ -442,5 +446,10 @@ class LedgerService:
             num_running=scheduler.num_running if scheduler else 0,
             num_waiting=scheduler.num_waiting if scheduler else 0,
             metrics=self.metrics.snapshot().to_dict() if self.metrics else None,
+            attention_backends=self.attention_backends(),
         )
+        if self.metrics is not None:
+            self.metrics.set_workers(
+                {w: (h.device, h.attention_backend) for w, h in self.workers.items()}
+            )
         await self.r.set(self.streams.ledger_status, encode(status), px=5000)

@@ -19,9 +19,12 @@ def metrics_app(service: LedgerService) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         if not service.ready.is_set():
             return web.json_response({"status": "waiting_for_workers"}, status=503)
-        return web.json_response(
-            {"status": "ok", "epoch": service.epoch, "capacity": service.capacity}
-        )
+        workers = {
+            w: {"device": h.device, "attention_backend": h.attention_backend}
+            for w, h in sorted(service.workers.items())
+        }
+        body = {"status": "ok", "epoch": service.epoch, "capacity": service.capacity}
+        return web.json_response({**body, "workers": workers})
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         if service.metrics is None:

@@ -112,15 +112,21 @@ def test_chat_models_health_and_metrics(served):
             models = await (await session.get(f"{served.url}/v1/models")).json()
             health = await session.get(f"{served.url}/health")
             text = await (await session.get(served.ledger_metrics_url)).text()
-            return chat, models, health.status, text
+            return chat, models, health.status, await health.json(), text
 
-    chat, models, health, text = asyncio.run(run())
+    chat, models, health, health_body, text = asyncio.run(run())
     assert (
         chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
     )
     assert chat["usage"]["completion_tokens"] == 5
     assert [m["id"] for m in models["data"]] == ["kvledger-tiny-llama"]
     assert health == 200
+    # The worker chose its attention backend at start-up and every surface reports it.
+    backends = health_body["ledger"]["attention_backends"]
+    assert list(backends.values()) == ["torch-reference"]
+    worker_id = next(iter(backends))
+    info = f'kvledger_worker_info{{attention_backend="torch-reference",device="cpu",worker_id="{worker_id}"}} 1.0'
+    assert info in text
     assert metric_value(text, "vllm:prefix_cache_queries_total") > 0
     assert "Maximum concurrency for 256 tokens per request" in served.capacity_line
 
@@ -142,3 +148,21 @@ def test_up_refuses_to_start_when_one_max_model_len_request_cannot_fit():
     assert "To serve at least one request with the model's max seq len (2048)" in output
     assert "the estimated maximum model length is 144" in output  # 9 usable blocks of 16
     assert "the ledger exited at start-up with code 3" in output
+
+
+def test_up_refuses_cuda_kernels_on_the_cpu_with_what_to_change():
+    import subprocess
+    import sys
+
+    from services.redis_server import free_port
+    from tests.e2e.conftest import ROOT, _hermetic_env
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", "up", "--port", str(free_port()), "--device", "cpu",
+         "--kernels", "cuda"],
+        cwd=ROOT, env=_hermetic_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1
+    assert "the CUDA kernels need a CUDA device, and this worker runs on cpu" in output
+    assert "the worker exited at start-up with code 3" in output

@@ -18,6 +18,7 @@ from gpu_worker.profile import (
     read_mem_available,
 )
 from gpu_worker.runner import ModelRunner, RunnerConfig
+from kernels import BackendError, TorchReference
 
 # default model, float32: 2 (K, V) x 16 tokens x 4 layers x 2 kv heads x 32 dims x 4 bytes
 BYTES_PER_BLOCK = 2 * 16 * 4 * 2 * 32 * 4
@@ -81,7 +82,7 @@ def test_runner_create_sizes_the_cache_from_the_profile():
     )
     runner = ModelRunner.create(cfg)
     assert runner.num_blocks == (1 << 20) // (BYTES_PER_BLOCK // 2) == 64
-    assert runner.kv_caches[0][0].shape == (64, 8, 2, 32) and len(runner.kv_caches) == 4
+    assert runner.kv_caches[0][0].shape == (64, 8, 1, 64) and len(runner.kv_caches) == 4
     assert runner.name == "kvledger-tiny-llama" and runner.profile.num_gpu_blocks == 64
 
 
@@ -101,12 +102,22 @@ def test_cuda_profile_subtracts_weights_and_peak_activation():
 
 def test_profile_dummy_batch_is_a_valid_paged_prefill(tiny_model):
     # The CUDA profile runs this batch; on CPU it must already be a correct step.
-    input_ids, positions, caches, meta = dummy_batch(tiny_model, 21, 4, block_size=4)
-    assert meta.seq_lens.tolist() == [6, 5, 5, 5]
-    assert meta.query_start_loc.tolist() == [0, 6, 11, 16, 21]
+    input_ids, positions, caches, plan = dummy_batch(tiny_model, 21, 4, 4, TorchReference())
+    assert plan.seq_lens.tolist() == [6, 5, 5, 5]
+    assert plan.query_start_loc.tolist() == [0, 6, 11, 16, 21]
     with torch.inference_mode():
-        hidden = tiny_model(input_ids, positions, caches, meta)
+        hidden = tiny_model(input_ids, positions, caches, plan)
         logits = tiny_model.compute_logits(hidden)
     for begin, end in [(0, 6), (6, 11)]:
         dense = tiny_model.dense_logits(input_ids[begin:end])
         torch.testing.assert_close(logits[begin:end], dense, atol=1e-4, rtol=1e-4)
+
+
+def test_the_runner_chooses_its_attention_backend_once_and_fails_fast():
+    config = RunnerConfig(device="cpu", block_size=16, max_model_len=256)
+    config.profile.kv_cache_memory_bytes = 1 << 20
+    runner = ModelRunner.create(config)
+    assert runner.backend.name == "torch-reference"  # the CPU runs the reference
+    config.kernels = "cuda"
+    with pytest.raises(BackendError, match="need a CUDA device"):
+        ModelRunner.create(config)

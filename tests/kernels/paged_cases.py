@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import AttentionBackend, AttentionPlan, reference
 
 
 @dataclass
@@ -29,6 +29,30 @@ class PagedBatch:
     @property
     def q_lens(self) -> list[int]:
         return self.query_start_loc.diff().tolist()
+
+    @property
+    def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_cache, self.value_cache
+
+    def plan(
+        self,
+        backend: AttentionBackend,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+    ) -> AttentionPlan:
+        """The step plan a worker would build for this batch (maxima computed when not given)."""
+        return backend.plan(
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            max(self.q_lens, default=0) if max_query_len is None else max_query_len,
+            int(self.seq_lens.max()) if max_seq_len is None else max_seq_len,
+        )
+
+    def attend(self, backend: AttentionBackend, **hints: int) -> torch.Tensor:
+        """The batch's attention through `backend`'s plan, as a model layer runs it."""
+        return self.plan(backend, **hints).attention(self.query, self.kv_cache, self.scale)
 
     def attention_args(self) -> tuple:
         return (

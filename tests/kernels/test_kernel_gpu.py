@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cuda, reference
+from kernels import AttentionSpec, CudaKernels, cuda, reference, select_backend
 from tests.kernels.paged_cases import (
     decode_lengths,
     dense_attention,
@@ -47,9 +46,17 @@ def kernel(batch, num_splits: int | None = None) -> torch.Tensor:
     )
 
 
-def test_dispatch_picks_cuda_on_a_cuda_device():
-    assert kernels.backend("cuda") == "cuda"
-    assert kernels.backend("cpu") == "torch-reference"
+def backend(dtype: torch.dtype = torch.bfloat16, **shape: int) -> CudaKernels:
+    spec = {"num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "block_size": 16, **shape}
+    chosen = select_backend(AttentionSpec(torch.device("cuda"), dtype, **spec))
+    assert isinstance(chosen, CudaKernels)
+    return chosen
+
+
+def test_a_cuda_device_runs_the_kernels_and_says_so():
+    assert backend().name == "cuda"
+    cpu = AttentionSpec(torch.device("cpu"), torch.bfloat16, 16, 2, 128, 16)
+    assert select_backend(cpu).name == "torch-reference"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -81,7 +88,7 @@ def test_public_api_matches_reference_with_and_without_hints(dtype, hints):
     seq_lens, q_lens = ragged_lengths(16)  # one prefill long enough for the SDPA route
     batch = make_batch(seq_lens, q_lens, 16, 2, 128, 16, dtype, "cuda", seed=8, padding_tokens=1)
     extra = {"max_query_len": max(q_lens), "max_seq_len": max(seq_lens)} if hints else {}
-    out = kernels.paged_attention(*batch.attention_args(), **extra)
+    out = batch.attend(backend(dtype), **extra)
     assert_matches_reference(out, batch)
 
 
@@ -91,7 +98,7 @@ def test_long_context_decode_uses_splits_and_matches_reference():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ctas = cuda.load().ctas_per_sm(torch.bfloat16, 128, 16)
     assert cuda.plan_launch(3, 8, 4, 1, 20_000, sms, ctas).num_splits > 1
-    out = kernels.paged_attention(*batch.attention_args(), max_query_len=1, max_seq_len=20_000)
+    out = batch.attend(backend(num_heads=32, num_kv_heads=8), max_query_len=1, max_seq_len=20_000)
     assert_matches_reference(out, batch)
 
 
@@ -101,11 +108,13 @@ def test_query_sliced_from_a_fused_projection_matches_reference():
     fused = torch.randn(len(q_lens), 12 * 64, device="cuda", dtype=torch.float16)
     fused[:, : 8 * 64] = batch.query.reshape(len(q_lens), -1)
     batch.query = fused[:, : 8 * 64].view(len(q_lens), 8, 64)  # strided, not contiguous
-    assert_matches_reference(kernels.paged_attention(*batch.attention_args()), batch)
+    out = batch.attend(backend(torch.float16, num_heads=8, num_kv_heads=2, head_dim=64))
+    assert_matches_reference(out, batch)
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
 def test_cuda_cache_write_is_exact(dtype):
+    cuda_backend = backend()  # the copy moves 16-byte rows of any dtype
     gen = torch.Generator().manual_seed(2)
     num_blocks, block_size, kv_heads, head_dim, tokens = 40, 16, 8, 128, 300
     shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -118,7 +127,9 @@ def test_cuda_cache_write_is_exact(dtype):
     caches = [torch.randn(shape, generator=gen).to(dtype).cuda() for _ in range(2)]
     expected = [c.clone() for c in caches]
     reference.reshape_and_cache(key, value, *expected, slots)
-    kernels.reshape_and_cache(key, value, *caches, slots)
+    no_seqs = torch.empty(0, dtype=torch.int32, device="cuda")
+    plan = cuda_backend.plan(slots, no_seqs.view(0, 1), no_seqs, no_seqs, 0, 0)
+    plan.write_kv(key, value, (caches[0], caches[1]))
     assert torch.equal(caches[0], expected[0])
     assert torch.equal(caches[1], expected[1])
 
@@ -138,11 +149,12 @@ def test_worker_greedy_tokens_on_gpu_equal_the_cpu_reference(tmp_path):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in (5, 40, 70, 17, 1)]
 
-    def greedy(device: str, dtype: torch.dtype) -> list[list[int]]:
+    def greedy(device: str, dtype: torch.dtype) -> tuple[str, list[list[int]]]:
         model = load_checkpoint(folder, dtype=dtype, device=device)
         runner = ModelRunner(model, 96, 16)
-        return generate_greedy(runner, prompts, 12, max_chunk=24)  # chunked prefill + decode
+        # chunked prefill + decode
+        return runner.backend.name, generate_greedy(runner, prompts, 12, max_chunk=24)
 
-    on_gpu = greedy("cuda", torch.float16)
-    assert kernels.backend("cuda") == "cuda"
-    assert on_gpu == greedy("cpu", torch.float32)
+    on_gpu, on_cpu = greedy("cuda", torch.float16), greedy("cpu", torch.float32)
+    assert (on_gpu[0], on_cpu[0]) == ("cuda", "torch-reference")
+    assert on_gpu[1] == on_cpu[1]

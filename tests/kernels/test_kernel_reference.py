@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+from kernels import (
+    AttentionSpec,
+    BackendError,
+    TorchReference,
+    cuda_unsupported,
+    reference,
+    select_backend,
+)
 from tests.kernels.paged_cases import decode_lengths, dense_attention, make_batch, ragged_lengths
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
@@ -35,7 +41,7 @@ def test_reference_half_precision_within_vllm_tolerance(dtype):
 
 def test_padding_rows_past_the_last_sequence_are_zero():
     batch = make_batch([40, 9], [40, 1], 4, 2, 64, 16, seed=1, padding_tokens=3)
-    out = kernels.paged_attention(*batch.attention_args())
+    out = batch.attend(TorchReference())
     assert out[41:].abs().sum().item() == 0
     torch.testing.assert_close(out.double(), dense_attention(batch), atol=1e-5, rtol=1e-5)
 
@@ -49,7 +55,9 @@ def test_reshape_and_cache_writes_rows_and_skips_negative_slots():
     slots[[3, 11]] = -1
     key = torch.randn(20, kv_heads, head_dim, generator=gen)
     value = torch.randn(20, kv_heads, head_dim, generator=gen)
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    no_seqs = torch.empty(0, dtype=torch.int32)
+    plan = TorchReference().plan(slots, no_seqs.view(0, 1), no_seqs, no_seqs, 0, 0)
+    plan.write_kv(key, value, (key_cache, value_cache))
 
     for token, slot in enumerate(slots.tolist()):
         if slot < 0:
@@ -75,16 +83,49 @@ def test_query_longer_than_context_is_rejected_with_the_reason():
         )
 
 
-def test_cpu_dispatch_picks_the_reference():
-    assert kernels.backend("cpu") == "torch-reference"
-    assert kernels.backend(torch.device("cpu")) == "torch-reference"
+def spec(**overrides) -> AttentionSpec:
+    shape = dict(
+        device=torch.device("cpu"), dtype=torch.float32, num_heads=8, num_kv_heads=2,
+        head_dim=64, block_size=16,
+    )  # fmt: skip
+    return AttentionSpec(**{**shape, **overrides})
+
+
+def test_the_cpu_runs_the_reference_and_says_so():
+    assert select_backend(spec()).name == "torch-reference"
+    assert select_backend(spec(), "reference").name == "torch-reference"
+
+
+def test_kernels_asked_for_on_the_cpu_fail_with_what_to_change():
+    with pytest.raises(BackendError, match=r"need a CUDA device.*--kernels reference"):
+        select_backend(spec(), "cuda")
+    with pytest.raises(BackendError, match="'triton' is not one of auto, cuda, reference"):
+        select_backend(spec(), "triton")
+
+
+def test_shapes_the_cuda_kernels_do_not_cover_are_named():
+    cuda = torch.device("cuda")
+    assert cuda_unsupported(spec(device=cuda, dtype=torch.bfloat16)) == []
+    reasons = cuda_unsupported(
+        spec(device=cuda, dtype=torch.float32, head_dim=96, block_size=8, num_heads=32)
+    )
+    assert reasons == [
+        "dtype float32 (they run float16 and bfloat16)",
+        "head_dim 96 (they are built for 64 and 128)",
+        "block_size 8 (they are built for 16 and 32)",
+        "32 query heads over 2 KV heads (a GQA group of at most 8 query heads per KV head)",
+    ]
+    if not torch.cuda.is_available():  # the check comes before any build or device access
+        with pytest.raises(BackendError, match="do not cover this model: dtype float32"):
+            select_backend(spec(device=cuda), "cuda")
 
 
 def test_empty_batch_gives_empty_output():
     cache = torch.zeros(2, 16, 2, 64)
     no_seqs = torch.empty(0, dtype=torch.int32)
-    out = kernels.paged_attention(
-        torch.empty(0, 4, 64), cache, cache, torch.empty(0, 1, dtype=torch.int32), no_seqs,
-        torch.zeros(1, dtype=torch.int32), 0.125,
+    plan = TorchReference().plan(
+        torch.empty(0, dtype=torch.long), torch.empty(0, 1, dtype=torch.int32), no_seqs,
+        torch.zeros(1, dtype=torch.int32), 0, 0,
     )  # fmt: skip
+    out = plan.attention(torch.empty(0, 4, 64), (cache, cache), 0.125)
     assert out.shape == (0, 4, 64)

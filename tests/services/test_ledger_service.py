@@ -231,6 +231,10 @@ async def test_two_workers_in_a_group_run_the_same_steps_and_agree(redis_url, ti
         results = await stack.wait([f"r{i}" for i in range(4)])
         assert all(len(r.tokens) == 12 for r in results.values())
         assert sorted(stack.ledger.workers) == ["w0", "w1"]
+        assert stack.ledger.attention_backends() == {
+            "w0": "torch-reference",
+            "w1": "torch-reference",
+        }
         assert stack.ledger.epoch.endswith(".1")  # no step failed, no resync was needed
     finally:
         await stack.stop()

@@ -1,0 +1,206 @@
+"""The attention backend a worker runs for its whole life, and the plan of one step.
+
+`select_backend` decides once, at start-up: the CUDA kernels of `kernels/csrc` when the device is
+CUDA, the model's shape and dtype are ones they are instantiated for and the library builds (or
+a prebuilt one loads); the torch reference on the CPU, or anywhere when asked for by name.
+Anything else is a `BackendError` that says what to change; nothing falls back silently.
+
+A step builds one `AttentionPlan` (the paged-attention inputs every layer shares) through
+`backend.plan(...)`; the model's layers only call `plan.write_kv` and `plan.attention`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernels import reference
+
+BACKEND_CHOICES = ("auto", "cuda", "reference")
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), NHD layout
+
+
+class BackendError(RuntimeError):
+    """The requested attention backend cannot run here; the text says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """What the kernels must cover: the model's attention shape, its dtype and the device."""
+
+    device: torch.device
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """The paged-attention inputs of one step, shared by every layer (built by `backend.plan`).
+
+    slot_mapping: [num_tokens] int64, block_id * block_size + offset (negative: padding);
+    block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32, each context length
+    INCLUDING this step's tokens; query_start_loc: [num_seqs + 1] int32, cumulative query
+    lengths; max_query_len / max_seq_len: the host-side maxima (upper bounds are fine).
+    """
+
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache) -> None:
+        """Write this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+        self.backend.write_kv(key, value, kv_cache, self)
+
+    def attention(self, query: torch.Tensor, kv_cache: KVCache, scale: float) -> torch.Tensor:
+        """Causal attention of the step's queries over the paged cache (K/V already written).
+
+        The i-th of sequence s's q_len queries sits at position seq_len - q_len + i and attends
+        to positions 0..that position. Returns [num_tokens, num_heads, head_dim]."""
+        return self.backend.attention(query, kv_cache, self, scale)
+
+
+class AttentionBackend(abc.ABC):
+    """One way to run paged attention; a worker picks one at start-up (`select_backend`)."""
+
+    name: ClassVar[str]  # reported in the worker's hello, the ledger's /health and metrics
+
+    def plan(
+        self,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> AttentionPlan:
+        """The one plan object of a step (built once, used by every layer)."""
+        return AttentionPlan(
+            self, slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len
+        )
+
+    @abc.abstractmethod
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def attention(
+        self, query: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan, scale: float
+    ) -> torch.Tensor: ...
+
+
+class TorchReference(AttentionBackend):
+    """`kernels.reference` on any device: the semantics the CUDA kernels must match."""
+
+    name = "torch-reference"
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan
+    ) -> None:
+        reference.reshape_and_cache(key, value, *kv_cache, plan.slot_mapping)
+
+    def attention(
+        self, query: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan, scale: float
+    ) -> torch.Tensor:
+        return reference.paged_attention(
+            query, *kv_cache, plan.block_tables, plan.seq_lens, plan.query_start_loc, scale,
+            plan.max_query_len, plan.max_seq_len,
+        )  # fmt: skip
+
+
+class CudaKernels(AttentionBackend):
+    """The kernels of `kernels/csrc` on one CUDA device (decode and extend in the paged kernel,
+    long prefills through SDPA on gathered K/V: see `kernels.cuda.routed_attention`)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        from kernels import cuda
+
+        self._cuda = cuda
+        self.device = device
+        self.library = cuda.load()
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan
+    ) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.library.reshape_and_cache(key, value, *kv_cache, plan.slot_mapping, stream)
+
+    def attention(
+        self, query: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan, scale: float
+    ) -> torch.Tensor:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        return self._cuda.routed_attention(
+            self.library, stream, self.num_sms, query, *kv_cache, plan.block_tables,
+            plan.seq_lens, plan.query_start_loc, scale, plan.max_query_len, plan.max_seq_len,
+        )  # fmt: skip
+
+
+def cuda_unsupported(spec: AttentionSpec) -> list[str]:
+    """Why the CUDA kernels do not cover `spec` (empty when they do)."""
+    from kernels.cuda import BLOCK_SIZES, DTYPE_CODES, HEAD_DIMS, MAX_ROWS
+
+    reasons = []
+    if spec.dtype not in DTYPE_CODES:
+        reasons.append(f"dtype {_dtype_name(spec.dtype)} (they run float16 and bfloat16)")
+    if spec.head_dim not in HEAD_DIMS:
+        reasons.append(f"head_dim {spec.head_dim} (they are built for {_names(HEAD_DIMS)})")
+    if spec.block_size not in BLOCK_SIZES:
+        reasons.append(f"block_size {spec.block_size} (they are built for {_names(BLOCK_SIZES)})")
+    if spec.num_heads % spec.num_kv_heads or spec.num_heads // spec.num_kv_heads > MAX_ROWS:
+        reasons.append(
+            f"{spec.num_heads} query heads over {spec.num_kv_heads} KV heads (a GQA group of at "
+            f"most {MAX_ROWS} query heads per KV head)"
+        )
+    return reasons
+
+
+def select_backend(spec: AttentionSpec, requested: str = "auto") -> AttentionBackend:
+    """The backend for a worker with this model on this device; raises BackendError when the
+    one it needs cannot run (`requested`: auto, cuda or reference)."""
+    if requested not in BACKEND_CHOICES:
+        raise BackendError(
+            f"attention backend {requested!r} is not one of {', '.join(BACKEND_CHOICES)}"
+        )
+    if requested == "reference" or (requested == "auto" and spec.device.type != "cuda"):
+        return TorchReference()
+    if spec.device.type != "cuda":
+        raise BackendError(
+            f"the CUDA kernels need a CUDA device, and this worker runs on {spec.device}: use "
+            "--device cuda on a GPU, or --kernels reference (KVLEDGER_KERNELS=reference)"
+        )
+    reasons = cuda_unsupported(spec)
+    if reasons:
+        raise BackendError(
+            f"the CUDA kernels do not cover this model: {'; '.join(reasons)}. Serve it in "
+            "float16/bfloat16 (--dtype), or run the torch reference, much slower, with "
+            "--kernels reference (KVLEDGER_KERNELS=reference)"
+        )
+    try:
+        return CudaKernels(spec.device)
+    except (OSError, RuntimeError) as exc:
+        raise BackendError(
+            f"the CUDA kernels could not be built or loaded: {exc}. Put nvcc (CUDA 12 or newer) "
+            "on PATH or in KVLEDGER_NVCC, or give a prebuilt library in KVLEDGER_KERNEL_LIB; "
+            "--kernels reference (KVLEDGER_KERNELS=reference) runs the torch reference instead"
+        ) from exc
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _names(values: tuple[int, ...]) -> str:
+    return " and ".join(str(v) for v in values)
