@@ -139,9 +139,7 @@ class Scheduler(Generic[P]):
             if self._has_all_outputs_in_flight(request):
                 index += 1
                 continue
-            num_new_tokens = self._num_new_tokens(
-                request, request.num_computed_tokens, token_budget, threshold
-            )
+            num_new_tokens = self._num_new_tokens(request, token_budget, threshold)
             if num_new_tokens == 0:
                 index += 1
                 continue
@@ -179,10 +177,15 @@ class Scheduler(Generic[P]):
                 break
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            # num_tokens, not the prompt: a resumed request recomputes its outputs too. The cap
+            # comes before the budget check, so a capped prompt fits where the whole would not.
             num_new_tokens = request.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
-                break
-            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, token_budget, threshold)
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new_tokens = token_budget
             watermark_applied = bool(self.running) and self.kv_cache_manager.watermark_blocks > 0
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request,
@@ -256,9 +259,9 @@ class Scheduler(Generic[P]):
             or request.num_tokens + pending >= self.config.max_model_len
         )
 
-    def _num_new_tokens(
-        self, request: Request[P], num_computed: int, token_budget: int, threshold: int
-    ) -> int:
+    def _num_new_tokens(self, request: Request[P], token_budget: int, threshold: int) -> int:
+        """A running request's share: what it still needs (with async placeholders), capped."""
+        num_computed = request.num_computed_tokens
         num_new = request.num_tokens + request.num_output_placeholders - num_computed
         if 0 < threshold < num_new:
             num_new = threshold
@@ -297,6 +300,12 @@ class Scheduler(Generic[P]):
         With async scheduling a later step may already be in flight: a request preempted since
         this step was sent still gets its token (the workers computed it before dropping the
         request), and a request that stops here was scheduled once more for nothing.
+
+        Async scheduling also caches here, as vLLM does when a step's tokens come back: the
+        blocks whose last slot this step computed. The request's next `allocate_slots` would
+        cache them too, but a request whose last token was already being sampled sits out the
+        next step and finishes here. (At most one step runs ahead of the results, so a
+        preempted request is never resumed while tokens of its old steps are still out.)
         """
         updates = []
         for request_id in out.num_scheduled_tokens:
@@ -306,11 +315,17 @@ class Scheduler(Generic[P]):
             token = sampled.get(request_id)
             if request is None or token is None:
                 continue  # aborted meanwhile
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= 1
             was_running = request.status == RequestStatus.RUNNING
+            had_placeholder = request.num_output_placeholders > 0
+            if had_placeholder:
+                request.num_output_placeholders -= 1
             request.append_output_token_ids(token)
             request.num_tokens_sent += 1  # the workers sampled it: they know it already
+            if had_placeholder and was_running:
+                # The steps still in flight (one placeholder each) are not computed yet.
+                self.kv_cache_manager.cache_blocks(
+                    request, request.num_computed_tokens - request.num_output_placeholders
+                )
             if self._check_stop(request):
                 if was_running:
                     self.running.remove(request)

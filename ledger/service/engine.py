@@ -216,6 +216,9 @@ class LedgerService:
                 await self._flush_outputs()
                 await self._workers_changed("worker membership changed")
             if not in_flight and (not scheduler.has_unfinished_requests() or not self.workers):
+                # Async scheduling caches a finished request's last blocks as its tokens come
+                # back: publish them now rather than with the next request's first step.
+                await self._publish_events(self.manager.take_events())
                 await self._flush_outputs()
                 self.telemetry.update_metrics(scheduler, self.manager)
                 await self._wait_for_intake(0.5 if self.workers else 0.2)

@@ -8,6 +8,7 @@ from collections import deque
 
 import pytest
 
+from ledger.core.events import BlockStored
 from ledger.core.hashing import BlockHasher
 from ledger.core.kv_cache_manager import KVCacheManager
 from ledger.core.request import Request, RequestStatus
@@ -155,3 +156,50 @@ def test_an_abort_between_steps_is_ignored_by_the_step_in_flight():
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert s.update_from_output(first, {"a": 5}) == []
     assert s.kv_cache_manager.num_free_blocks == 39
+
+
+def _stored_tokens(s: Scheduler) -> list[list[int]]:
+    return [e.token_ids for e in s.kv_cache_manager.take_events() if isinstance(e, BlockStored)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_finished_requests_last_full_block_is_cached_and_hit_later(async_scheduling):
+    # The smallest case: vLLM caches a's block [11, 12, 13, 4817] in both modes; with
+    # two steps in flight it does so when a's last token comes back, since a, whose last token
+    # is already being sampled, is not scheduled again.
+    s = make(async_scheduling, num_blocks=10)
+    s.add_request(Request("a", [11, 12, 13], 2, block_hasher=HASHER))
+    first = s.schedule()
+    if async_scheduling:
+        second = s.schedule()
+        s.update_from_output(first, {"a": 4817})
+        assert s.schedule().is_empty and _stored_tokens(s) == []
+    else:
+        s.update_from_output(first, {"a": 4817})
+        second = s.schedule()
+        assert _stored_tokens(s) == [[11, 12, 13, 4817]]
+    (update,) = s.update_from_output(second, {"a": 99})
+    assert update.finished and update.finish_reason == "length"
+    if async_scheduling:
+        assert _stored_tokens(s) == [[11, 12, 13, 4817]]
+    pool = s.kv_cache_manager.block_pool
+    # Cached, so it went to the back of the free queue (uncached blocks go to the front).
+    assert [b.block_id for b in pool.free_block_queue][-1] == 1 and pool.blocks[1].block_hash
+    s.add_request(Request("b", [11, 12, 13, 4817, 99], 1, block_hasher=HASHER))
+    (admission,) = s.schedule().admissions
+    assert admission.num_hit_tokens == 4 and s.kv_cache_manager.prefix_cache_stats.hits == 4
+
+
+def test_a_block_is_cached_only_once_its_last_token_is_computed():
+    # With two steps in flight a token's KV is computed one step after it is sampled: a block
+    # whose last token just came back is not cached yet; the next step computes it.
+    s = make(True, num_blocks=10)
+    s.add_request(Request("a", [11, 12, 13], 10, block_hasher=HASHER))
+    first, second = s.schedule(), s.schedule()
+    s.update_from_output(first, {"a": 14})  # block 0 is full, its last slot still in flight
+    assert _stored_tokens(s) == [] and s.kv_cache_manager.num_cached_block.get("a", 0) == 0
+    third = s.schedule()  # allocate_slots caches it: this step's tokens are known
+    assert _stored_tokens(s) == [[11, 12, 13, 14]]
+    s.update_from_output(second, {"a": 15})
+    s.update_from_output(third, {"a": 16})
+    assert _stored_tokens(s) == []

@@ -98,6 +98,24 @@ def test_without_chunked_prefill_a_prompt_over_the_budget_waits():
     assert out.num_scheduled_tokens == {"a1": 1, "b2": 100}
 
 
+def test_without_chunked_prefill_the_long_prefill_cap_comes_before_the_budget_check():
+    # vLLM caps a prompt at long_prefill_token_threshold first, then checks it against what is
+    # left of the budget: b's capped 16 tokens fit in the 16 that a leaves (its 20 would not).
+    s = make_scheduler(
+        max_model_len=32,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=16,
+    )
+    s.add_request(request("a1", 20))
+    s.add_request(request("b2", 20, start=500))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a1": 16, "b2": 16}
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a1": 4, "b2": 4}
+
+
 def test_token_budget_is_shared_running_first():
     s = make_scheduler(max_num_batched_tokens=100, max_num_seqs=8)
     s.add_request(request("a1", 60))

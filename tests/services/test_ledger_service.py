@@ -179,6 +179,35 @@ async def test_snapshot_lists_exactly_the_cached_blocks(redis_url, tiny_model):
         await stack.stop()
 
 
+async def test_a_finished_requests_last_block_is_published_before_the_next_request(
+    redis_url, tiny_model
+):
+    # Async scheduling (the default) caches the block a request's last tokens fill when those
+    # tokens come back; the ledger, idle afterwards, must publish it then, not with the next
+    # request's first step. 14 prompt tokens + 3 outputs: the first block is full, its last slot computed.
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        assert stack.ledger_cfg.async_scheduling
+        prompt = prompts(1, 14, seed=8)[0]
+        await stack.submit("a", prompt, 3)
+        (result,) = (await stack.wait(["a"])).values()
+        block = prompt + result.tokens[:2]
+        stored: list[list[int]] = []
+        for _ in range(100):
+            batches = [
+                msgpack.unpackb(f[b"batch"]) for _, f in await stack.r.xrange(stack.streams.events)
+            ]
+            stored = [e["token_ids"] for b in batches for e in b[1] if e["type"] == "BlockStored"]
+            if block in stored:
+                break
+            await asyncio.sleep(0.05)
+        assert stored == [block]
+        await stack.submit("b", block + [40], 1)
+        assert (await stack.wait(["b"]))["b"].final.num_cached_tokens == 16
+    finally:
+        await stack.stop()
+
+
 async def test_requests_left_pending_by_another_ledger_are_claimed_and_served(
     redis_url, tiny_model
 ):
