@@ -6,7 +6,6 @@ cannot honour instead of ignoring them.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 MAX_STOP_STRINGS = 4
@@ -77,12 +76,15 @@ def read_number(
     return float(value)
 
 
-def read_bool(body: dict[str, Any], name: str) -> bool:
+def read_bool(
+    body: dict[str, Any], name: str, default: bool = False, param: str | None = None
+) -> bool:
     value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be a boolean, got {type_name(value)}", name)
+        param = param or name
+        raise bad_request(f"'{param}' must be a boolean, got {type_name(value)}", param)
     return value
 
 
@@ -101,21 +103,25 @@ def read_stop(value: Any) -> list[str]:
     return stops
 
 
-def read_include_usage(options: Any, stream: bool) -> bool:
+def read_stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of `stream_options` (its fields checked first by
+    `support.check_fields`)."""
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad_request(
             "'stream_options' is only allowed when 'stream' is true", "stream_options"
         )
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    include = options.get("include_usage")
-    if include is not None and not isinstance(include, bool):
-        raise bad_request(
-            "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
-        )
-    return bool(include)
+    return (
+        read_bool(options, "include_usage", param="stream_options.include_usage"),
+        read_bool(options, "continuous_usage_stats", param="stream_options.continuous_usage_stats"),
+    )
+
+
+MAX_CACHE_SALT_LENGTH = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 def read_cache_salt(value: Any) -> str | None:
@@ -123,6 +129,19 @@ def read_cache_salt(value: Any) -> str | None:
         return None
     if not isinstance(value, str) or not value:
         raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
+    if len(value) > MAX_CACHE_SALT_LENGTH or any(c in _CACHE_SALT_FORBIDDEN for c in value):
+        raise bad_request(
+            f"'cache_salt' must be at most {MAX_CACHE_SALT_LENGTH} characters and must not "
+            "contain '@', '/', '\\\\' or NUL",
+            "cache_salt",
+        )
+    return value
+
+
+def read_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string, got {type_name(value)}", name)
     return value
 
 
@@ -130,51 +149,6 @@ def read_model(value: Any) -> str | None:
     if value is not None and not isinstance(value, str):
         raise bad_request(f"'model' must be a string, got {type_name(value)}", "model")
     return value
-
-
-# Fields kvledger cannot honour: refused unless absent or set to their do-nothing value, so a
-# client never gets output that silently ignored what it asked for.
-def _is(*allowed: Any) -> Callable[[Any], bool]:
-    return lambda v: any(type(v) is type(a) and v == a for a in allowed)
-
-
-def _number_is(target: float) -> Callable[[Any], bool]:
-    return lambda v: not isinstance(v, bool) and isinstance(v, int | float) and v == target
-
-
-_COMMON_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _is(1),
-    "best_of": _is(1),
-    "presence_penalty": _number_is(0),
-    "frequency_penalty": _number_is(0),
-    "repetition_penalty": _number_is(1),
-    "logit_bias": _is({}),
-    "use_beam_search": _is(False),
-    "prompt_logprobs": lambda v: False,
-}
-COMPLETION_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "echo": _is(False),
-    "logprobs": lambda v: False,
-    "suffix": _is(""),
-}
-CHAT_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "logprobs": _is(False),
-    "top_logprobs": lambda v: False,
-    "tools": _is([]),
-    "response_format": _is({"type": "text"}),
-}
-
-
-def refuse_unsupported(body: dict[str, Any], table: dict[str, Callable[[Any], bool]]) -> None:
-    for name, harmless in table.items():
-        value = body.get(name)
-        if value is None or harmless(value):
-            continue
-        if name in ("n", "best_of"):
-            raise bad_request(f"'{name}' must be 1: one choice per request is supported", name)
-        raise bad_request(f"'{name}' is not supported by kvledger (got {short(value)})", name)
 
 
 def type_name(value: Any) -> str:

@@ -11,30 +11,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.chat import RESPONSE_ROLE, read_chat_prompt
 from gateway.fields import (
-    CHAT_UNSUPPORTED,
-    COMPLETION_UNSUPPORTED,
     INT64_MAX,
     INT64_MIN,
-    UINT64_MAX,
     ApiError,
     bad_request,
     read_bool,
     read_cache_salt,
-    read_include_usage,
     read_int,
     read_model,
     read_number,
     read_stop,
+    read_str,
+    read_stream_options,
     read_token_ids,
-    refuse_unsupported,
-    short,
     type_name,
 )
+from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS_FIELDS, check_fields
 from services.messages import SamplingParams
 from services.tokenizer import ChatTemplateError, Tokenizer
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's SamplingParams: a positive temperature below _MAX_TEMP is raised to it (smaller ones
+# overflow the softmax); below _SAMPLING_EPS the worker samples greedily.
+MAX_TEMP = 1e-2
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class Limits:
     model_name: str
     max_model_len: int
     vocab_size: int
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +64,25 @@ class Job:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    stream_interval: int = 1
     cache_salt: str | None = None
     priority: int = 0
     return_token_ids: bool = False
     model: str | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
+    echo_text: str | None = None  # shown before the output (echo); None: no echo
+    role: str = RESPONSE_ROLE  # chat: the answer's role
+    prompt_text: str | None = None  # chat's return_prompt_text: the rendered prompt
+    request_id: str | None = None  # the client's id (response id cmpl-<request_id>)
+    user: str | None = None  # recorded only, as vLLM
+    session_id: str | None = None  # recorded only, as vLLM
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -89,19 +103,28 @@ def _refuse_constant(name: str) -> None:
 
 
 def parse_completion(body: dict[str, Any], tokenizer: Tokenizer, default_max_tokens: int) -> Job:
-    refuse_unsupported(body, COMPLETION_UNSUPPORTED)
-    if "prompt" not in body:
+    check_fields(body, COMPLETION_FIELDS)
+    if "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt")
-    prompt_ids = _prompt_token_ids(body["prompt"], tokenizer)
+    add_special = read_bool(body, "add_special_tokens", default=True)
+    prompt_ids, prompt_text = _prompt(body["prompt"], tokenizer, add_special)
     max_tokens = read_int(body, "max_tokens", lo=1)
-    return _job(body, "completion", prompt_ids, "prompt", max_tokens or default_max_tokens)
+    job = _job(body, "completion", prompt_ids, "prompt", max_tokens or default_max_tokens)
+    if read_bool(body, "echo"):
+        job = dataclasses.replace(job, echo_text=prompt_text)
+    return job
 
 
 def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
-    refuse_unsupported(body, CHAT_UNSUPPORTED)
-    messages = _messages(body.get("messages"))
+    check_fields(body, CHAT_FIELDS)
+    chat = read_chat_prompt(body)
     try:
-        prompt_ids = tokenizer.apply_chat_template(messages)
+        prompt_ids = tokenizer.apply_chat_template(chat.messages, chat.options)
+        prompt_text = (
+            tokenizer.render_chat(chat.messages, chat.options)
+            if read_bool(body, "return_prompt_text")
+            else None
+        )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages") from None
     # vLLM's rule: max_completion_tokens (the newer name) wins over max_tokens.
@@ -109,7 +132,13 @@ def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
     job = _job(body, "chat", prompt_ids, "messages", read_int(body, param, lo=1))
-    return dataclasses.replace(job, max_tokens_param=param)
+    return dataclasses.replace(
+        job,
+        max_tokens_param=param,
+        role=chat.role,
+        echo_text=chat.echo_text or None,
+        prompt_text=prompt_text,
+    )
 
 
 def _job(
@@ -120,33 +149,68 @@ def _job(
     max_tokens: int | None,
 ) -> Job:
     stream = read_bool(body, "stream")
+    options = body.get("stream_options")
+    if isinstance(options, dict):
+        check_fields(options, STREAM_OPTIONS_FIELDS, "stream_options.")
+    include_usage, continuous_usage = read_stream_options(options, stream)
     top_k = read_int(body, "top_k", lo=-1, hi=INT64_MAX)
+    temperature = read_number(body, "temperature", 0.0, 2.0, default=1.0)
+    if 0 < temperature < MAX_TEMP:
+        temperature = MAX_TEMP
+    truncation_side = body.get("truncation_side") or "left"
+    if truncation_side not in ("left", "right"):
+        raise bad_request(
+            "`truncation_side` must be either 'left' or 'right'.", "truncation_side"
+        )
     return Job(
         kind=kind,
         prompt_token_ids=prompt_ids,
         prompt_param=prompt_param,
         max_tokens=max_tokens,
         min_tokens=read_int(body, "min_tokens", lo=0) or 0,
-        temperature=read_number(body, "temperature", 0.0, 2.0, default=1.0),
+        temperature=temperature,
         top_p=read_number(body, "top_p", 0.0, 1.0, default=1.0, lo_open=True),
         top_k=0 if top_k in (None, -1) else top_k,
-        seed=read_int(body, "seed", lo=INT64_MIN, hi=UINT64_MAX),
+        seed=_seed(body),
         stop=read_stop(body.get("stop")),
         stop_token_ids=read_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
+        include_stop_str_in_output=read_bool(body, "include_stop_str_in_output"),
         ignore_eos=read_bool(body, "ignore_eos"),
+        skip_special_tokens=read_bool(body, "skip_special_tokens", default=True),
         stream=stream,
-        include_usage=read_include_usage(body.get("stream_options"), stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        stream_interval=read_int(body, "stream_interval", lo=1) or 1,
         cache_salt=read_cache_salt(body.get("cache_salt")),
         priority=read_int(body, "priority", lo=INT64_MIN, hi=INT64_MAX) or 0,
         return_token_ids=read_bool(body, "return_token_ids"),
         model=read_model(body.get("model")),
+        truncate_prompt_tokens=read_int(body, "truncate_prompt_tokens", lo=-1, hi=INT64_MAX),
+        truncation_side=truncation_side,
+        request_id=read_str(body, "request_id"),
+        user=read_str(body, "user"),
+        session_id=read_str(body, "session_id"),
     )
 
 
+def _seed(body: dict[str, Any]) -> int | None:
+    seed = read_int(body, "seed", lo=INT64_MIN, hi=INT64_MAX)
+    return None if seed == -1 else seed  # vLLM: -1 means unseeded
+
+
 def resolve(job: Job, limits: Limits) -> Job:
-    """Check the job against the serving ledger's limits and fill chat's default max_tokens."""
+    """Check the job against the serving ledger's limits, truncate its prompt when asked, and
+    fill chat's default max_tokens."""
     if job.model is not None and job.model != limits.model_name:
         raise ApiError(404, f"The model `{job.model}` does not exist.", "model")
+    if job.priority != 0 and limits.scheduling_policy != "priority":
+        raise bad_request(
+            f"Got priority {job.priority} but priority scheduling is not enabled: the ledger "
+            f"runs --scheduling-policy {limits.scheduling_policy}. Send priority 0, or start "
+            "the ledger with --scheduling-policy priority.",
+            "priority",
+        )
+    job = _truncate(job, limits.max_model_len)
     _check_vocab(job.prompt_token_ids, limits.vocab_size, job.prompt_param)
     _check_vocab(job.stop_token_ids, limits.vocab_size, "stop_token_ids")
     num_prompt = len(job.prompt_token_ids)
@@ -174,6 +238,30 @@ def resolve(job: Job, limits: Limits) -> Job:
     return dataclasses.replace(job, max_tokens=max_tokens)
 
 
+def _truncate(job: Job, max_model_len: int) -> Job:
+    """vLLM's truncate_prompt_tokens: keep N prompt tokens (the last ones unless
+    truncation_side is 'right'); -1 keeps what leaves room for the output."""
+    keep = job.truncate_prompt_tokens
+    if keep is None:
+        return job
+    max_input = max_model_len - (job.max_tokens or 1)
+    if keep < 0:
+        keep = max(max_input, 0)
+    elif keep > max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
+            f"{max_model_len}. Please request a smaller truncation size.",
+            "truncate_prompt_tokens",
+        )
+    ids = job.prompt_token_ids
+    if keep >= len(ids):
+        return job
+    kept = ids[len(ids) - keep :] if job.truncation_side == "left" else ids[:keep]
+    if not kept:
+        raise bad_request("'truncate_prompt_tokens' leaves an empty prompt", "truncate_prompt_tokens")
+    return dataclasses.replace(job, prompt_token_ids=kept)
+
+
 def sampling_params(job: Job, eos_token_ids: Sequence[int]) -> SamplingParams:
     """The wire's sampling settings; the first EOS id stops the request, the others join stops."""
     stop_ids = list(job.stop_token_ids)
@@ -182,10 +270,11 @@ def sampling_params(job: Job, eos_token_ids: Sequence[int]) -> SamplingParams:
         eos = eos_token_ids[0]
         stop_ids += [i for i in eos_token_ids[1:] if i not in stop_ids]
     assert job.max_tokens is not None, "resolve() the job first"
+    greedy = job.temperature < SAMPLING_EPS  # vLLM: greedy ignores the filters
     return SamplingParams(
-        temperature=job.temperature,
-        top_p=job.top_p,
-        top_k=job.top_k,
+        temperature=0.0 if greedy else job.temperature,
+        top_p=1.0 if greedy else job.top_p,
+        top_k=0 if greedy else job.top_k,
         seed=job.seed,
         max_tokens=job.max_tokens,
         min_tokens=job.min_tokens,
@@ -197,11 +286,13 @@ def sampling_params(job: Job, eos_token_ids: Sequence[int]) -> SamplingParams:
 # --- prompts ------------------------------------------------------------------------------------
 
 
-def _prompt_token_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
+def _prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bool) -> tuple[list[int], str]:
+    """The prompt's token ids and its text (what `echo` shows)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one, as the OpenAI client sends it
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        text = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise bad_request(
             f"only one prompt per request is supported, got {len(prompt)}; send them separately",
@@ -209,51 +300,14 @@ def _prompt_token_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
         )
     elif isinstance(prompt, list):
         ids = read_token_ids(prompt, "prompt")
+        text = tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
     else:
         raise bad_request(
             f"'prompt' must be a string or a list of token ids, got {type_name(prompt)}", "prompt"
         )
     if not ids:
         raise bad_request("'prompt' must not be empty", "prompt")
-    return ids
-
-
-def _messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list of messages", "messages")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-
-
-def _message(message: Any, where: str) -> dict[str, Any]:
-    if not isinstance(message, dict):
-        raise bad_request(f"'{where}' must be an object with 'role' and 'content'", where)
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise bad_request(
-            f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {short(role)}",
-            f"{where}.role",
-        )
-    out = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
-    if isinstance(message.get("name"), str):
-        out["name"] = message["name"]
-    return out
-
-
-def _content(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise bad_request(f"'{where}' must be a string or a list of text parts", where)
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise bad_request(
-                f"'{where}[{i}]': only text content parts are supported", f"{where}[{i}]"
-            )
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return ids, text
 
 
 def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:

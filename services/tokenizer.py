@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -29,17 +30,31 @@ class ChatTemplateError(ValueError):
     """The chat template refused the messages (its raise_exception) or failed to render."""
 
 
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a conversation becomes a prompt (vLLM's chat request fields of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message stays open for the model to continue
+    add_special_tokens: bool = False  # on top of what the template writes itself
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # documents, user kwargs, ...
+
+
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: list[int]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> list[int]: ...
 
 
 class ByteTokenizer:
@@ -54,8 +69,8 @@ class ByteTokenizer:
         self.bos_token_id: int | None = self.BOS_ID
         self.eos_token_ids = [self.EOS_ID]
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS_ID, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.BOS_ID, *text.encode("utf-8")] if add_special_tokens else [*text.encode()]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
@@ -66,8 +81,14 @@ class ByteTokenizer:
                 out += b"<s>" if i == self.BOS_ID else b"</s>"
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(render_chat_template(BYTE_CHAT_TEMPLATE, messages, {}))
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> str:
+        return render_chat_template(BYTE_CHAT_TEMPLATE, messages, {}, options)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> list[int]:
+        # The template writes no BOS: it is always added here (the model was made that way).
+        return self.encode(self.render_chat(messages, options))
 
 
 class HFTokenizer:
@@ -112,9 +133,11 @@ class HFTokenizer:
     def _token_id(self, text: str | None) -> int | None:
         return None if text is None else self._tok.token_to_id(text)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         bos = self.bos_token_id
+        if not add_special_tokens:
+            return ids
         if self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]  # the config asks for BOS and the post-processor did not add it
         return ids
@@ -122,15 +145,21 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> str:
         if self.chat_template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template (tokenizer_config.json "
                 "'chat_template' or chat_template.jinja); use /v1/completions"
             )
-        text = render_chat_template(self.chat_template, messages, self.special_tokens)
+        return render_chat_template(self.chat_template, messages, self.special_tokens, options)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> list[int]:
+        text = self.render_chat(messages, options)
         # The template writes its own special tokens (BOS included), as transformers assumes.
-        return self._tok.encode(text, add_special_tokens=False).ids
+        add_special = options is not None and options.add_special_tokens
+        return self._tok.encode(text, add_special_tokens=add_special).ids
 
 
 class IncrementalDetokenizer:
@@ -177,16 +206,33 @@ def render_chat_template(
     template: str,
     messages: list[dict[str, Any]],
     special_tokens: dict[str, str],
-    add_generation_prompt: bool = True,
+    options: ChatOptions | None = None,
 ) -> str:
+    options = options or ChatOptions()
+    variables = {**special_tokens, **options.template_kwargs}
+    variables["add_generation_prompt"] = options.add_generation_prompt
     try:
-        return _compile(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens
-        )
+        text = _compile(template).render(messages=messages, **variables)
     except ChatTemplateError:
         raise
-    except jinja2.TemplateError as exc:
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    return _open_final_message(text, messages) if options.continue_final_message else text
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """Cut the rendered chat right after the last message's content (transformers' rule), so
+    the model continues that message instead of starting a new one."""
+    final = messages[-1].get("content") or ""
+    if not isinstance(final, str) or final.strip() not in text:
+        raise ChatTemplateError(
+            "continue_final_message is set but the final message does not appear in the chat "
+            "after applying the chat template; the template deletes part of it"
+        )
+    at = text.rindex(final.strip())
+    if text[at : at + len(final.lstrip())] == final:
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(final.strip())]  # trailing spaces the template trimmed
 
 
 @lru_cache(maxsize=8)

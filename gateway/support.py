@@ -1,0 +1,182 @@
+"""Every field vLLM 0.33's OpenAI request models accept, and what kvledger does with it: each one
+either works as in vLLM or is refused with a 400 naming it. A field vLLM does not know is refused
+too (vLLM would ignore it; a client that sent it expects something).
+
+The tables are the single source for the checks, the README's field list and /openapi.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.fields import bad_request, short
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSupport:
+    note: str  # one line: what it does here, or why it is refused
+    refused: bool = False
+    # For a refused field: the values that ask for nothing, accepted so that clients which
+    # send defaults explicitly keep working.
+    harmless: Callable[[Any], bool] = lambda value: False
+
+
+def works(note: str) -> FieldSupport:
+    return FieldSupport(note)
+
+
+def refused(note: str, *harmless: Any) -> FieldSupport:
+    def is_harmless(value: Any) -> bool:
+        return any(type(value) is type(h) and value == h for h in harmless)
+
+    return FieldSupport(note, refused=True, harmless=is_harmless)
+
+
+# vLLM removed these; it ignores them with a warning, so output silently stops being constrained.
+REMOVED_GUIDED_FIELDS = (
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern",
+)  # fmt: skip
+
+_SAMPLING: dict[str, FieldSupport] = {
+    "model": works("must name the served model (404 otherwise); may be omitted"),
+    "max_tokens": works("output token limit; the context must hold prompt plus max_tokens"),
+    "temperature": works("0 (below 1e-5) is greedy; 0 < t < 0.01 is raised to 0.01, as vLLM"),
+    "top_p": works("nucleus sampling, in (0, 1]"),
+    "top_k": works("keep the k most likely tokens; 0 or -1 is off"),
+    "seed": works("per-request generator: the same tokens whatever the batch or preemptions"),
+    "stop": works("up to 4 stop strings; the output is cut before the first (see next)"),
+    "stop_token_ids": works("token ids that end the request like EOS"),
+    "include_stop_str_in_output": works("keep the stop string (or stop token's text) in the output"),
+    "ignore_eos": works("do not stop at EOS"),
+    "min_tokens": works("EOS and stop tokens are masked, stop strings unchecked, until reached"),
+    "skip_special_tokens": works("drop special tokens from the text (default true)"),
+    "spaces_between_special_tokens": refused(
+        "only the default (true) is served", True
+    ),
+    "stream": works("server-sent events, one chunk per token (or per stream_interval tokens)"),
+    "stream_options": works("include_usage (a last usage chunk), continuous_usage_stats (usage in every chunk)"),
+    "stream_interval": works("tokens per streamed chunk (first and last chunk go at once)"),
+    "truncate_prompt_tokens": works("keep only the last N prompt tokens (-1: max_model_len)"),
+    "truncation_side": works("'left' (default) keeps the last tokens, 'right' the first"),
+    "priority": works("lower runs first; only under --scheduling-policy priority (400 under fcfs)"),
+    "request_id": works("the response id becomes cmpl-/chatcmpl-<request_id>"),
+    "session_id": works("recorded in the request's log line; no effect on output, as in vLLM"),
+    "user": works("recorded in the request's log line; no effect on output, as in vLLM"),
+    "cache_salt": works("salts block 0's hash: the prefix cache is shared only within a salt"),
+    "return_token_ids": works("prompt_token_ids and token_ids in every choice (or chunk)"),
+    "use_beam_search": refused("beam search is not served", False),
+    "length_penalty": refused("only used by beam search, which is not served", 1.0, 1),
+    "watermarking": refused("no watermarking model is served", False),
+    "n": refused("one choice per request", 1),
+    "presence_penalty": refused("not yet served", 0, 0.0),
+    "frequency_penalty": refused("not yet served", 0, 0.0),
+    "repetition_penalty": refused("not yet served", 1, 1.0),
+    "logit_bias": refused("not yet served", {}),
+    "min_p": refused("not yet served", 0, 0.0),
+    "bad_words": refused("not yet served", []),
+    "allowed_token_ids": refused("not yet served"),
+    "logprobs": refused("not yet served"),
+    "prompt_logprobs": refused("not yet served"),
+    "logprob_token_ids": refused("logprobs of chosen token ids are not served", []),
+    "return_tokens_as_token_ids": refused("only meaningful with logprobs, not yet served", False),
+    "response_format": refused("structured outputs are not yet served", {"type": "text"}),
+    "structured_outputs": refused("structured outputs are not yet served"),
+    "repetition_detection": refused("n-gram repetition detection is not served"),
+    "thinking_token_budget": refused("no reasoning model is served", -1),
+    "vllm_xargs": refused("no custom extension reads them", {}),
+    "kv_transfer_params": refused("disaggregated prefill is not served", {}),
+    "ec_transfer_params": refused("encoder-cache transfer is not served", {}),
+    "return_weight_versions": refused("weights carry no version labels here", False),
+    "routed_experts_prompt_start": refused("no mixture-of-experts model is served", 0),
+    "return_token_offsets": refused("only vLLM's render endpoints return offsets", False),
+    "mm_payload": refused("only vLLM's render endpoints use it", "tensors"),
+    "return_mm_kwargs": refused("only vLLM's render endpoints use it"),
+}
+
+COMPLETION_FIELDS: dict[str, FieldSupport] = {
+    "prompt": works("text or token ids (one prompt per request)"),
+    "echo": works("the prompt's text before the completion"),
+    "add_special_tokens": works("add BOS (the tokenizer's special tokens) to a text prompt; default true"),
+    "suffix": refused("fill-in-the-middle is not served (vLLM: FIM models only)"),
+    "prompt_embeds": refused("prompt embeddings are not served"),
+    **_SAMPLING,
+}
+
+CHAT_FIELDS: dict[str, FieldSupport] = {
+    "messages": works("text content (strings or text parts); other content parts get a 400"),
+    "max_completion_tokens": works("the newer name of max_tokens; wins over it"),
+    "echo": works("prepend the last message's content when it is the assistant's"),
+    "add_generation_prompt": works("passed to the chat template (default true)"),
+    "continue_final_message": works("the last message stays open and the model continues it"),
+    "add_special_tokens": works("add the tokenizer's special tokens on top of the template's"),
+    "documents": works("passed to the chat template as `documents`"),
+    "chat_template_kwargs": works("extra variables for the chat template"),
+    "reasoning_effort": works("passed to the chat template (with enable_thinking), as vLLM"),
+    "return_prompt_text": works("the rendered prompt in `prompt_text`"),
+    "chat_template": refused(
+        "Chat template is passed with request, but --trust-request-chat-template is not set. "
+        "Refused request with untrusted chat template."
+    ),
+    "tools": refused("tool calling is not served"),
+    "tool_choice": refused("tool calling is not served", "none"),
+    "parallel_tool_calls": works("accepted; only meaningful with tools, which are refused"),
+    "include_reasoning": refused("no reasoning parser is served", True),
+    "top_logprobs": refused("not yet served", 0),
+    "media_io_kwargs": refused("multimodal input is not served", {}),
+    "mm_processor_kwargs": refused("multimodal input is not served", {}),
+    **_SAMPLING,
+}
+
+TOKENIZE_FIELDS: dict[str, FieldSupport] = {
+    "model": works("must name the served model"),
+    "prompt": works("text to tokenize (completion form)"),
+    "messages": works("messages to render and tokenize (chat form)"),
+    "add_special_tokens": works("as in the generation endpoints"),
+    "add_generation_prompt": works("chat form: passed to the template"),
+    "continue_final_message": works("chat form: the last message stays open"),
+    "chat_template_kwargs": works("chat form: extra template variables"),
+    "return_token_strs": works("also return each token's string"),
+    "chat_template": CHAT_FIELDS["chat_template"],
+    "tools": refused("tool calling is not served", []),
+    "media_io_kwargs": CHAT_FIELDS["media_io_kwargs"],
+    "mm_processor_kwargs": CHAT_FIELDS["mm_processor_kwargs"],
+}
+
+DETOKENIZE_FIELDS: dict[str, FieldSupport] = {
+    "model": works("must name the served model"),
+    "tokens": works("token ids to turn into text"),
+}
+
+STREAM_OPTIONS_FIELDS: dict[str, FieldSupport] = {
+    "include_usage": works("a last chunk with the usage of the whole request"),
+    "continuous_usage_stats": works("usage in every chunk"),
+}
+
+
+def check_fields(body: dict[str, Any], table: dict[str, FieldSupport], where: str = "") -> None:
+    """400 for the first field that is unknown or refused with a value that asks for something."""
+    for name, value in body.items():
+        param = f"{where}{name}"
+        support = table.get(name)
+        if support is None:
+            raise bad_request(_unknown(name, param), param)
+        if support.refused and value is not None and not support.harmless(value):
+            raise bad_request(
+                f"'{param}' is not supported by kvledger: {support.note} (got {short(value)})",
+                param,
+            )
+
+
+def _unknown(name: str, param: str) -> str:
+    if name in REMOVED_GUIDED_FIELDS:
+        return (
+            f"'{param}' was removed in vLLM 0.33 (vLLM ignores it and does not constrain the "
+            "output); use 'structured_outputs' or 'response_format'"
+        )
+    return (
+        f"unknown field '{param}': vLLM 0.33's request has no such field, and kvledger refuses "
+        "fields it would ignore"
+    )
