@@ -20,10 +20,12 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from redis.exceptions import RedisError
 
 from gateway.fields import ApiError
-from gateway.generate import Generation, GenerationError
+from gateway.generate import Generation
 from gateway.protocol import Job, parse_chat, parse_completion, parse_json, resolve
-from gateway.responses import SSE_DONE, Meta, chunk_body, error_body, final_body, sse, usage_chunk
+from gateway.replies import respond, stream
+from gateway.responses import Meta, error_body
 from gateway.service import Gateway
+from gateway.utility import add_utility_routes, model_body
 from observability import (
     Attr,
     get_logger,
@@ -40,7 +42,6 @@ GATEWAY = web.AppKey("gateway", Gateway)
 SERVICE_NAME = "kvledger-gateway"
 SHUTDOWN_TIMEOUT_S = 10.0  # in-flight requests are ended at shutdown; this only bounds stragglers
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; never delivered, the connection is gone
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -81,6 +82,7 @@ def create_app(
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    add_utility_routes(app, GATEWAY)
     return app
 
 
@@ -238,10 +240,10 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
         gen = Generation(gw, job, lambda: _client_gone(request), arrival)
         try:
             async with gen:
-                meta = Meta(kind, gen.req_id, int(time.time()), limits.model_name)
+                meta = Meta(kind, gen.response_id, int(time.time()), limits.model_name)
                 if job.stream:
-                    return await _stream(request, gen, meta)
-                return await _respond(gen, meta)
+                    return await stream(request, gen, meta)
+                return await respond(gen, meta)
         finally:
             span.set_attributes(gen.span_attributes())
 
@@ -257,71 +259,20 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _respond(gen: Generation, meta: Meta) -> web.Response:
-    text = "".join([delta.text async for delta in gen.deltas()])
-    token_ids = (
-        (gen.job.prompt_token_ids, gen.tracker.token_ids) if gen.job.return_token_ids else None
-    )
-    body = final_body(meta, text, gen.finish_reason, gen.stop_reason, gen.usage(), token_ids)
-    return web.json_response(body)
-
-
-async def _stream(request: web.Request, gen: Generation, meta: Meta) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
-    try:
-        await _write_chunks(response, gen, meta)
-    except GenerationError as exc:  # headers are gone: the error travels as an event
-        gen.ended_by = exc
-        with contextlib.suppress(ConnectionError):
-            await response.write(sse(error_body(exc.message, exc.err_type, code=exc.status)))
-            await response.write(SSE_DONE)
-    except ConnectionError as exc:  # the client hung up mid-stream
-        gen.ended_by = exc
-    return response
-
-
-async def _write_chunks(response: web.StreamResponse, gen: Generation, meta: Meta) -> None:
-    with_ids = gen.job.return_token_ids
-    prompt_ids = gen.job.prompt_token_ids if with_ids else None
-    if meta.kind == "chat":
-        await response.write(sse(chunk_body(meta, "", role=True, prompt_token_ids=prompt_ids)))
-        prompt_ids = None
-    async for delta in gen.deltas():
-        if not (delta.text or delta.finish_reason or with_ids):
-            continue  # a token whose character is not complete yet
-        stop_reason = gen.stop_reason if delta.finish_reason else None
-        token_ids = delta.token_ids if with_ids else None
-        chunk = chunk_body(
-            meta, delta.text, delta.finish_reason, stop_reason, token_ids, prompt_ids
-        )
-        await response.write(sse(chunk))
-        prompt_ids = None
-    if gen.job.include_usage:
-        await response.write(sse(usage_chunk(meta, gen.usage())))
-    await response.write(SSE_DONE)
-
-
 # --- models, health, metrics ---------------------------------------------------------------------
 
 
 async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     limits = gw.limits(await gw.ledger_status(max_age_s=0))
-    card = {
-        "id": limits.model_name,
-        "object": "model",
-        "created": int(gw.started_at),
-        "owned_by": "kvledger",
-        "max_model_len": limits.max_model_len,
-    }
+    card = model_body(gw, limits.model_name, limits.max_model_len)
     return web.json_response({"object": "list", "data": [card]})
 
 
 async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     status = await gw.ledger_status(max_age_s=0)
-    gateway = {"gateway_id": gw.gateway_id, "in_flight": gw.in_flight}
+    gateway = {"gateway_id": gw.gateway_id, "in_flight": gw.in_flight, "settings": gw.settings()}
     if status is None:
         body = {"status": "unavailable", "message": gw.unavailable_message(None), **gateway}
         return web.json_response(body, status=503)

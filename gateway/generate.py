@@ -62,11 +62,19 @@ class Generation:
         self.client_gone = client_gone
         self.arrival = arrival  # time.monotonic() when the HTTP request came in
         prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
-        self.req_id = prefix + uuid.uuid4().hex
+        unique = uuid.uuid4().hex
+        # The client's request_id names the response (as vLLM); the ledger's id stays unique
+        # even when a client reuses one.
+        self.response_id = prefix + (job.request_id or unique)
+        self.req_id = (
+            prefix + unique if job.request_id is None else f"{self.response_id}-{unique[:8]}"
+        )
         self.sampling = sampling_params(job, gw.tokenizer.eos_token_ids)
         self.tracker = TokenTracker()
-        self.detokenizer = IncrementalDetokenizer(gw.tokenizer, job.prompt_token_ids)
-        self.stops = StopMatcher(job.stop)
+        self.detokenizer = IncrementalDetokenizer(
+            gw.tokenizer, job.prompt_token_ids, skip_special_tokens=job.skip_special_tokens
+        )
+        self.stops = StopMatcher(job.stop, include_stop_str=job.include_stop_str_in_output)
         self.first_token_s: float | None = None
         self.finish_reason: str | None = None
         self.ended_by: BaseException | None = None  # an error the handler caught and answered
@@ -98,7 +106,8 @@ class Generation:
         log.info(
             "request_enqueued", req_id=self.req_id, kind=self.job.kind,
             prompt_tokens=len(self.job.prompt_token_ids), max_tokens=self.sampling.max_tokens,
-            stream=self.job.stream,
+            stream=self.job.stream, request_id=self.job.request_id, user=self.job.user,
+            session_id=self.job.session_id,
         )  # fmt: skip
         return self
 
@@ -162,11 +171,15 @@ class Generation:
 
     def _text(self, new_ids: list[int]) -> str:
         final = self.tracker.final
-        stop_id = final.stop_token_id if final is not None else None
-        # As vLLM: the token that stopped the request counts as output but shows no text.
-        ids = (
-            new_ids[:-1] if new_ids and stop_id is not None and new_ids[-1] == stop_id else new_ids
-        )
+        stop_id = None
+        if final is not None and final.finish_reason == "stop":
+            stop_id = final.stop_token_id
+            if stop_id is None:
+                stop_id = self.sampling.eos_token_id
+        # As vLLM: the token that stopped the request (EOS or a stop token) counts as output but
+        # shows no text, unless include_stop_str_in_output asks for it.
+        hidden = stop_id is not None and not self.job.include_stop_str_in_output
+        ids = new_ids[:-1] if hidden and new_ids and new_ids[-1] == stop_id else new_ids
         text = self.detokenizer.push(ids) if ids else ""
         return text + self.detokenizer.flush() if final is not None else text
 

@@ -159,9 +159,7 @@ def _job(
         temperature = MAX_TEMP
     truncation_side = body.get("truncation_side") or "left"
     if truncation_side not in ("left", "right"):
-        raise bad_request(
-            "`truncation_side` must be either 'left' or 'right'.", "truncation_side"
-        )
+        raise bad_request("`truncation_side` must be either 'left' or 'right'.", "truncation_side")
     return Job(
         kind=kind,
         prompt_token_ids=prompt_ids,
@@ -258,7 +256,9 @@ def _truncate(job: Job, max_model_len: int) -> Job:
         return job
     kept = ids[len(ids) - keep :] if job.truncation_side == "left" else ids[:keep]
     if not kept:
-        raise bad_request("'truncate_prompt_tokens' leaves an empty prompt", "truncate_prompt_tokens")
+        raise bad_request(
+            "'truncate_prompt_tokens' leaves an empty prompt", "truncate_prompt_tokens"
+        )
     return dataclasses.replace(job, prompt_token_ids=kept)
 
 

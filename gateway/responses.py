@@ -49,16 +49,21 @@ def final_body(
     stop_reason: str | int | None,
     usage: Usage,
     token_ids: tuple[list[int], list[int]] | None = None,
+    role: str = "assistant",
+    prompt_text: str | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streaming) response; `token_ids` is (prompt ids, generated ids) when asked."""
     if meta.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        choice: dict[str, Any] = {"index": 0, "message": {"role": role, "content": text}}
     else:
         choice = {"index": 0, "text": text}
     choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
     if token_ids is not None:
         choice["prompt_token_ids"], choice["token_ids"] = token_ids
-    return _envelope(meta, streaming=False) | {"choices": [choice], "usage": usage.body()}
+    body = _envelope(meta, streaming=False) | {"choices": [choice], "usage": usage.body()}
+    if prompt_text is not None:
+        body["prompt_text"] = prompt_text
+    return body
 
 
 def chunk_body(
@@ -68,11 +73,11 @@ def chunk_body(
     stop_reason: str | int | None = None,
     token_ids: list[int] | None = None,
     prompt_token_ids: list[int] | None = None,
-    role: bool = False,
+    role: str | None = None,
 ) -> dict[str, Any]:
-    """One streamed piece; chat's first chunk carries the role (`role=True`)."""
+    """One streamed piece; chat's first chunk carries the role."""
     if meta.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
+        delta: dict[str, Any] = {"role": role, "content": text} if role else {}
         if text and not role:
             delta["content"] = text
         choice: dict[str, Any] = {"index": 0, "delta": delta}

@@ -124,10 +124,24 @@ class Gateway:
                 self.default_model_name, self.config.max_model_len, self.tokenizer.vocab_size
             )
         return Limits(
-            status.model_name or self.default_model_name,
+            self.config.model_name or status.model_name or self.default_model_name,
             status.max_model_len or self.config.max_model_len,
             status.vocab_size or self.tokenizer.vocab_size,
+            status.scheduling_policy,
         )
+
+    def settings(self) -> dict[str, Any]:
+        """The gateway's active settings, for /health (the ledger's ride in its status)."""
+        cfg = self.config
+        return {
+            "served_model_name": self.default_model_name,
+            "model": cfg.model,
+            "max_model_len": cfg.max_model_len,
+            "max_queue": cfg.max_queue,
+            "request_timeout_s": cfg.request_timeout_s,
+            "default_max_tokens": cfg.default_max_tokens,
+            "api_key_required": cfg.api_key is not None,
+        }
 
     # --- back-pressure and the request stream -----------------------------------------------
 

@@ -15,8 +15,9 @@ class StopMatcher:
     prefix of a stop string stays pending until it either completes one or stops matching.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop_str: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include_stop_str = include_stop_str  # vLLM's include_stop_str_in_output
         self.matched: str | None = None
         self._pending = ""
 
@@ -31,7 +32,8 @@ class StopMatcher:
         hit = self._first_hit()
         if hit is not None:
             index, self.matched = hit
-            out, self._pending = self._pending[:index], ""
+            end = index + len(self.matched) if self.include_stop_str else index
+            out, self._pending = self._pending[:end], ""
             return out
         keep = 0 if final else self._partial_tail()
         cut = len(self._pending) - keep

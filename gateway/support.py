@@ -43,21 +43,25 @@ REMOVED_GUIDED_FIELDS = (
 _SAMPLING: dict[str, FieldSupport] = {
     "model": works("must name the served model (404 otherwise); may be omitted"),
     "max_tokens": works("output token limit; the context must hold prompt plus max_tokens"),
-    "temperature": works("0 (below 1e-5) is greedy; 0 < t < 0.01 is raised to 0.01, as vLLM"),
+    "temperature": works(
+        "0 is greedy (below 1e-5 on the worker); 0 < t < 0.01 becomes 0.01, as vLLM"
+    ),
     "top_p": works("nucleus sampling, in (0, 1]"),
     "top_k": works("keep the k most likely tokens; 0 or -1 is off"),
     "seed": works("per-request generator: the same tokens whatever the batch or preemptions"),
     "stop": works("up to 4 stop strings; the output is cut before the first (see next)"),
     "stop_token_ids": works("token ids that end the request like EOS"),
-    "include_stop_str_in_output": works("keep the stop string (or stop token's text) in the output"),
+    "include_stop_str_in_output": works(
+        "keep the stop string (or stop token's text) in the output"
+    ),
     "ignore_eos": works("do not stop at EOS"),
     "min_tokens": works("EOS and stop tokens are masked, stop strings unchecked, until reached"),
     "skip_special_tokens": works("drop special tokens from the text (default true)"),
-    "spaces_between_special_tokens": refused(
-        "only the default (true) is served", True
-    ),
+    "spaces_between_special_tokens": refused("only the default (true) is served", True),
     "stream": works("server-sent events, one chunk per token (or per stream_interval tokens)"),
-    "stream_options": works("include_usage (a last usage chunk), continuous_usage_stats (usage in every chunk)"),
+    "stream_options": works(
+        "include_usage (a last usage chunk), continuous_usage_stats (usage in every chunk)"
+    ),
     "stream_interval": works("tokens per streamed chunk (first and last chunk go at once)"),
     "truncate_prompt_tokens": works("keep only the last N prompt tokens (-1: max_model_len)"),
     "truncation_side": works("'left' (default) keeps the last tokens, 'right' the first"),
@@ -97,15 +101,20 @@ _SAMPLING: dict[str, FieldSupport] = {
 }
 
 COMPLETION_FIELDS: dict[str, FieldSupport] = {
+    **_SAMPLING,
     "prompt": works("text or token ids (one prompt per request)"),
     "echo": works("the prompt's text before the completion"),
-    "add_special_tokens": works("add BOS (the tokenizer's special tokens) to a text prompt; default true"),
+    "add_special_tokens": works(
+        "add BOS (the tokenizer's special tokens) to a text prompt; default true"
+    ),
     "suffix": refused("fill-in-the-middle is not served (vLLM: FIM models only)"),
     "prompt_embeds": refused("prompt embeddings are not served"),
-    **_SAMPLING,
+    # OpenAI's field (vLLM 0.33 dropped it): the best `n` of `best_of` samples.
+    "best_of": refused("not yet served", 1),
 }
 
 CHAT_FIELDS: dict[str, FieldSupport] = {
+    **_SAMPLING,
     "messages": works("text content (strings or text parts); other content parts get a 400"),
     "max_completion_tokens": works("the newer name of max_tokens; wins over it"),
     "echo": works("prepend the last message's content when it is the assistant's"),
@@ -127,7 +136,7 @@ CHAT_FIELDS: dict[str, FieldSupport] = {
     "top_logprobs": refused("not yet served", 0),
     "media_io_kwargs": refused("multimodal input is not served", {}),
     "mm_processor_kwargs": refused("multimodal input is not served", {}),
-    **_SAMPLING,
+    "logprobs": refused("not yet served", False),
 }
 
 TOKENIZE_FIELDS: dict[str, FieldSupport] = {
@@ -180,3 +189,21 @@ def _unknown(name: str, param: str) -> str:
         f"unknown field '{param}': vLLM 0.33's request has no such field, and kvledger refuses "
         "fields it would ignore"
     )
+
+
+def markdown_field_list() -> str:
+    """The README's list of fields, one line each (a test keeps the README equal to it)."""
+    shared = [n for n, s in COMPLETION_FIELDS.items() if CHAT_FIELDS.get(n) == s]
+    lines = ["Both endpoints:", ""]
+    lines += [_line(n, COMPLETION_FIELDS[n]) for n in shared]
+    for title, table in (
+        ("`/v1/completions` only:", COMPLETION_FIELDS),
+        ("`/v1/chat/completions` only:", CHAT_FIELDS),
+    ):
+        lines += ["", title, ""]
+        lines += [_line(n, s) for n, s in table.items() if n not in shared]
+    return "\n".join(lines) + "\n"
+
+
+def _line(name: str, support: FieldSupport) -> str:
+    return f"- `{name}` ({'refused' if support.refused else 'works'}): {support.note}"

@@ -34,8 +34,28 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments(p, cls)
         p.set_defaults(func=_service_main(name, cls))
     tools.add_parsers(sub)
+    for command in sub.choices.values():
+        show_defaults(command)
     args = parser.parse_args(argv)
     return args.func(args) or 0
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's help ends with its default (or says it is required), so `--help` of
+    every command tells what happens when a flag is left out."""
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        text = action.help or ""
+        if "(default" in text or not action.option_strings:
+            continue
+        if action.required:
+            text += " (required)"
+        elif isinstance(action, argparse._StoreTrueAction):
+            text += " (default: off)"
+        else:
+            text += f" (default: {'none' if action.default is None else action.default})"
+        action.help = text.strip()
 
 
 def _service_main(
@@ -129,6 +149,8 @@ def run_worker(config: WorkerConfig) -> int:
         except (ValueError, BackendError) as exc:
             print(f"kvledger worker: {exc}", file=sys.stderr)
             raise SystemExit(3) from None
+        if config.served_model_name:
+            runner.name = config.served_model_name
         await WorkerService(config, r, runner, tracer).run()
 
     return run_service("worker", config, main)

@@ -33,13 +33,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument("--model", default=None, help="model folder (Hugging Face layout) or 'default'")
-    p.add_argument("--device", default=None, help="auto, cpu or cuda")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder (Hugging Face layout) or 'default' (default: default, the seeded tiny Llama)",
+    )
+    p.add_argument("--device", default=None, help="auto, cpu or cuda (default: auto)")
     p.add_argument(
         "--kernels",
         default=None,
         help="attention backend: auto (CUDA kernels on a GPU, torch reference on the CPU), cuda "
-        "or reference",
+        "or reference (default: auto)",
     )
     p.add_argument(
         "--kv-cache-memory-bytes",
@@ -47,13 +51,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"KV cache per worker (default on the CPU: {CPU_KV_CACHE_DEFAULT}; on CUDA: profiled)",
     )
     p.add_argument(
-        "--num-gpu-blocks-override", default=None, help="pin the block count (tests, benchmarks)"
+        "--num-gpu-blocks-override",
+        default=None,
+        help="pin the block count, for tests and benchmarks (default: profiled)",
     )
-    p.add_argument("--max-model-len", default=None)
-    p.add_argument("--block-size", default=None)
-    p.add_argument("--max-num-seqs", default=None)
-    p.add_argument("--max-num-batched-tokens", default=None)
-    p.add_argument("--watermark", default=None)
+    p.add_argument("--max-model-len", default=None, help="tokens per request (default: 2048)")
+    p.add_argument("--block-size", default=None, help="tokens per KV block (default: 16)")
+    p.add_argument("--max-num-seqs", default=None, help="running requests per step (default: 64)")
+    p.add_argument(
+        "--max-num-batched-tokens", default=None, help="token budget per step (default: 2048)"
+    )
+    p.add_argument(
+        "--watermark", default=None, help="share of blocks kept free at admission (default: 0)"
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=None,
+        help="the ledger's scheduling policy (default: fcfs; env KVLEDGER_SCHEDULING_POLICY)",
+    )
+    p.add_argument(
+        "--hash-algo",
+        "--prefix-caching-hash-algo",
+        choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
+        default=None,
+        help="prefix-cache block hash (default: sha256; env KVLEDGER_HASH_ALGO)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        choices=("0", "1"),
+        default=None,
+        help="1: the ledger schedules a step ahead of the workers, 0: lock-step "
+        "(default: 1; env KVLEDGER_ASYNC_SCHEDULING)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="name on /v1/models (default: the model folder's name, or kvledger-tiny-llama; "
+        "env KVLEDGER_MODEL_NAME)",
+    )
     p.add_argument(
         "--metrics-port", type=int, default=0, help="ledger Prometheus port (0: a free one)"
     )
@@ -80,6 +116,10 @@ def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> d
         "KVLEDGER_MAX_NUM_SEQS": args.max_num_seqs,
         "KVLEDGER_MAX_NUM_BATCHED_TOKENS": args.max_num_batched_tokens,
         "KVLEDGER_WATERMARK": args.watermark,
+        "KVLEDGER_SCHEDULING_POLICY": args.scheduling_policy,
+        "KVLEDGER_HASH_ALGO": args.hash_algo,
+        "KVLEDGER_ASYNC_SCHEDULING": args.async_scheduling,
+        "KVLEDGER_MODEL_NAME": args.served_model_name,
     }
     env.update({k: str(v) for k, v in flags.items() if v is not None})
     if not env.get("KVLEDGER_KV_CACHE_MEMORY_BYTES") and not _cuda_wanted(

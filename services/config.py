@@ -174,10 +174,17 @@ class CommonConfig:
 
 
 def _opt(
-    env_name: str | None, default: Any, help: str, parse: Callable[[str], Any] | None = None
+    env_name: str | None,
+    default: Any,
+    help: str,
+    parse: Callable[[str], Any] | None = None,
+    flags: tuple[str, ...] = (),
 ) -> Any:
-    """A config field that argparse exposes as a flag and the environment can set."""
-    return field(default=default, metadata={"env": env_name, "help": help, "parse": parse})
+    """A config field that argparse exposes as a flag (its name, or `flags`: vLLM's name first)
+    and the environment can set."""
+    return field(
+        default=default, metadata={"env": env_name, "help": help, "parse": parse, "flags": flags}
+    )
 
 
 def _choice(text: str, allowed: tuple[str, ...]) -> str:
@@ -225,11 +232,23 @@ class LedgerConfig(CommonConfig, EngineShape):
     enable_prefix_caching: bool = _opt(
         "KVLEDGER_PREFIX_CACHING", True, "prefix caching on/off", _bool
     )
-    hash_algo: str = _opt("KVLEDGER_HASH_ALGO", "sha256", "prefix-cache hash algorithm")
+    hash_algo: str = _opt(
+        "KVLEDGER_HASH_ALGO",
+        "sha256",
+        "prefix-cache hash algorithm: sha256, sha256_cbor, xxhash or xxhash_cbor",
+        lambda text: _choice(text, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
+        flags=("--hash-algo", "--prefix-caching-hash-algo"),
+    )
     watermark: float = _opt(
         "KVLEDGER_WATERMARK", 0.0, "share of blocks kept free at admission", float
     )
-    policy: str = _opt("KVLEDGER_SCHEDULING_POLICY", "fcfs", "fcfs or priority")
+    policy: str = _opt(
+        "KVLEDGER_SCHEDULING_POLICY",
+        "fcfs",
+        "scheduling policy: fcfs or priority",
+        lambda text: _choice(text, ("fcfs", "priority")),
+        flags=("--scheduling-policy", "--policy"),
+    )
     async_scheduling: bool = _opt(
         "KVLEDGER_ASYNC_SCHEDULING",
         True,
@@ -263,6 +282,12 @@ class WorkerConfig(CommonConfig, EngineShape):
     group: str = _opt(None, "default", "worker group to join")
     worker_id: str | None = _opt("KVLEDGER_WORKER_ID", None, "this worker's id (default: host-pid)")
     model: str = _opt("KVLEDGER_MODEL", "default", "model folder, or 'default' for the tiny Llama")
+    served_model_name: str | None = _opt(
+        "KVLEDGER_MODEL_NAME",
+        None,
+        "name the model is served under (default: the model folder's name, or kvledger-tiny-llama)",
+        flags=("--served-model-name",),
+    )
     device: str = _opt("KVLEDGER_DEVICE", "auto", "auto, cpu or cuda")
     kernels: str = _opt(
         "KVLEDGER_KERNELS",
@@ -301,7 +326,12 @@ class GatewayConfig(CommonConfig, EngineShape):
     host: str = _opt("KVLEDGER_HOST", "127.0.0.1", "bind address")
     port: int = _opt("KVLEDGER_PORT", 8000, "port", int)
     model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")
-    model_name: str | None = _opt("KVLEDGER_MODEL_NAME", None, "name served on /v1/models")
+    model_name: str | None = _opt(
+        "KVLEDGER_MODEL_NAME",
+        None,
+        "name served on /v1/models (default: the model folder's name, or kvledger-tiny-llama)",
+        flags=("--served-model-name", "--model-name"),
+    )
     gateway_id: str | None = _opt(None, None, "this gateway's id (default: host-pid)")
     max_queue: int = _opt("KVLEDGER_MAX_QUEUE", 512, "requests in flight before 429", int)
     request_timeout_s: float = _opt(
@@ -320,15 +350,28 @@ class GatewayConfig(CommonConfig, EngineShape):
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One --flag per field; the default shown is the environment's value, else the built-in."""
+    """One --flag per field; its help shows the built-in default and the environment variable
+    (the flag beats the variable, which beats the default)."""
     for f in fields(cls):
         meta = f.metadata
         if not meta or meta.get("help") is None:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = meta.get("flags") or ("--" + f.name.replace("_", "-"),)
         env_name = meta.get("env")
-        help_text = meta["help"] + (f" (env {env_name})" if env_name else "")
-        parser.add_argument(flag, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
+        shown = "" if "(default" in meta["help"] else f"default: {_shown(f.default)}"
+        where = "; ".join(part for part in (shown, f"env {env_name}" if env_name else "") if part)
+        help_text = meta["help"] + (f" ({where})" if where else "")
+        parser.add_argument(
+            *flags, dest=f.name, default=None, help=help_text, metavar=f.name.upper()
+        )
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
 
 
 def from_arguments(

@@ -155,3 +155,6 @@ class LedgerStatus(Message, tag="ledger_status"):
     num_waiting: int = 0
     metrics: dict[str, float] | None = None  # LedgerSnapshot, mirrored by the gateway's /metrics
     attention_backends: dict[str, str] | None = None  # worker id -> the backend it runs
+    scheduling_policy: str = "fcfs"  # the gateway refuses priority != 0 under fcfs, as vLLM
+    async_scheduling: bool = True
+    enable_prefix_caching: bool = True

@@ -50,7 +50,11 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> str: ...
+    def token_pieces(self, ids: Sequence[int]) -> list[str]: ...
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> str: ...
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], options: ChatOptions | None = None
@@ -81,7 +85,13 @@ class ByteTokenizer:
                 out += b"<s>" if i == self.BOS_ID else b"</s>"
         return out.decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> str:
+    def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (a byte shown as its Latin-1 character)."""
+        return [chr(i) if i < 256 else "<s>" if i == self.BOS_ID else "</s>" for i in ids]
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> str:
         return render_chat_template(BYTE_CHAT_TEMPLATE, messages, {}, options)
 
     def apply_chat_template(
@@ -145,7 +155,13 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions | None = None) -> str:
+    def token_pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry, as transformers' convert_ids_to_tokens."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
+    ) -> str:
         if self.chat_template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template (tokenizer_config.json "

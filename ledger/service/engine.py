@@ -450,6 +450,9 @@ class LedgerService:
             num_waiting=scheduler.num_waiting if scheduler else 0,
             metrics=self.metrics.snapshot().to_dict() if self.metrics else None,
             attention_backends=self.attention_backends(),
+            scheduling_policy=self.cfg.policy,
+            async_scheduling=self.cfg.async_scheduling,
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
         )
         if self.metrics is not None:
             self.metrics.set_workers(

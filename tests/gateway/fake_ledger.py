@@ -111,6 +111,7 @@ class FakeLedger:
     max_model_len: int = 64
     vocab_size: int = 258
     num_workers: int = 1
+    scheduling_policy: str = "fcfs"
     metrics: dict[str, float] | None = None
     requests: list[GenerateRequest] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
@@ -137,6 +138,7 @@ class FakeLedger:
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=16,
             num_gpu_blocks=100, capacity_line="KV cache size: 1600 tokens", hash_algo="sha256",
             num_workers=self.num_workers, num_running=len(self._answers), metrics=self.metrics,
+            scheduling_policy=self.scheduling_policy,
         )  # fmt: skip
 
     async def _write_status(self) -> None:

@@ -43,7 +43,7 @@ async def test_completion_returns_text_usage_and_cached_tokens(start_gateway, st
 async def test_completion_request_carries_sampling_salt_and_priority(
     start_gateway, start_ledger, redis, prefix
 ):
-    await start_ledger()
+    await start_ledger(scheduling_policy="priority")
     client = await start_gateway()
     resp = await client.post(
         "/v1/completions",

@@ -57,7 +57,7 @@ def test_stop_takes_a_string_or_a_list():
 
 
 def test_harmless_values_of_unsupported_fields_are_accepted():
-    job = completion(prompt="x", n=1, echo=False, presence_penalty=0, logit_bias={}, best_of=1)
+    job = completion(prompt="x", n=1, echo=False, presence_penalty=0, logit_bias={})
     assert job.prompt_token_ids == [BOS, ord("x")]
     chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False}, TOK)
     assert chat.kind == "chat"

@@ -1,7 +1,7 @@
 """Writes `vllm_fields.json`: every field vLLM 0.33's OpenAI request models accept, with its
 default, so the field walk (test_field_walk.py) runs without vLLM installed.
 
-Run with the oracle environment: `$KVLEDGER_VLLM_ORACLE/bin/python tests/api/dump_vllm_fields.py`
+Run with the oracle environment: `$KVLEDGER_VLLM_ORACLE/bin/python tests/gateway/dump_vllm_fields.py`
 (the environment comes from `../shared/tools/vllm-oracle-venv.sh DIR`).
 """
 
@@ -40,7 +40,9 @@ def pydantic_fields(model: Any) -> dict[str, Any]:
     for name, info in model.model_fields.items():
         required = info.is_required()
         if info.default_factory is not None:
-            default: Any = "<generated>" if name == "request_id" else _default(info.default_factory())
+            default: Any = (
+                "<generated>" if name == "request_id" else _default(info.default_factory())
+            )
         else:
             default = None if info.default is PydanticUndefined else _default(info.default)
         fields[info.alias or name] = {"required": required, "default": default}

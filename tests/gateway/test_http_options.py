@@ -1,0 +1,148 @@
+"""vLLM's request options that the gateway itself honours, through real HTTP against the fake
+ledger: echo, include_stop_str_in_output, skip_special_tokens, truncation, stream_interval,
+continuous usage, request_id, the chat template's fields and the answer's role."""
+
+from __future__ import annotations
+
+from services.messages import GenerateRequest
+from services.tokenizer import ByteTokenizer
+from tests.gateway.fake_ledger import EOS, TEXT, Script, request_stream
+from tests.gateway.helpers import read_sse
+
+BOS = ByteTokenizer.BOS_ID
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+async def _complete(client, **body):
+    resp = await client.post("/v1/completions", json={"max_tokens": 6, **body})
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+async def test_echo_puts_the_prompt_text_before_the_completion(start_gateway, start_ledger):
+    await start_ledger()
+    client = await start_gateway()
+    text = (await _complete(client, prompt="Say: ", echo=True))["choices"][0]["text"]
+    assert text == "Say: " + TEXT[:6]
+    ids = [BOS, *b"ids "]
+    text = (await _complete(client, prompt=ids, echo=True))["choices"][0]["text"]
+    assert text == "<s>ids " + TEXT[:6]  # a token prompt is echoed as its decoded text
+
+
+async def test_stop_string_is_kept_with_include_stop_str_in_output(start_gateway, start_ledger):
+    await start_ledger()
+    client = await start_gateway()
+    cut = await _complete(client, prompt="x", max_tokens=20, stop="from")
+    kept = await _complete(
+        client, prompt="x", max_tokens=20, stop="from", include_stop_str_in_output=True
+    )
+    assert cut["choices"][0]["text"] == "Hello "
+    assert kept["choices"][0]["text"] == "Hello from"
+    assert kept["choices"][0]["stop_reason"] == "from"
+
+
+async def test_eos_text_shows_only_when_asked_and_not_skipped(start_gateway, start_ledger):
+    await start_ledger(Script(eos_after=3))
+    client = await start_gateway()
+    plain = await _complete(client, prompt="x")
+    shown = await _complete(
+        client, prompt="x", include_stop_str_in_output=True, skip_special_tokens=False
+    )
+    assert plain["choices"][0]["text"] == "Hel"
+    assert shown["choices"][0]["text"] == "Hel</s>"
+    assert shown["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_truncate_prompt_tokens_keeps_the_last_tokens_or_the_first(
+    start_gateway, start_ledger, redis, prefix
+):
+    await start_ledger()
+    client = await start_gateway()
+    await _complete(client, prompt=[1, 2, 3, 4, 5], truncate_prompt_tokens=2)
+    await _complete(
+        client, prompt=[1, 2, 3, 4, 5], truncate_prompt_tokens=3, truncation_side="right"
+    )
+    left, right = await request_stream(redis, prefix)
+    assert isinstance(left, GenerateRequest) and isinstance(right, GenerateRequest)
+    assert (left.prompt_token_ids, right.prompt_token_ids) == ([4, 5], [1, 2, 3])
+    resp = await client.post("/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": 65})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "truncate_prompt_tokens"
+
+
+async def test_stream_interval_batches_tokens_and_usage_rides_every_chunk(
+    start_gateway, start_ledger
+):
+    await start_ledger()
+    client = await start_gateway()
+    resp = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": "x", "max_tokens": 7, "stream": True, "stream_interval": 3,
+            "return_token_ids": True,
+            "stream_options": {"continuous_usage_stats": True, "include_usage": True},
+        },
+    )  # fmt: skip
+    events = await read_sse(resp)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    sizes = [len(c["choices"][0]["token_ids"]) for c in chunks]
+    assert sizes == [1, 3, 3]  # the first chunk goes at once, then 3 tokens per chunk
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 4, 7]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT[:7]
+    assert events[-2]["usage"]["completion_tokens"] == 7 and events[-1] == "[DONE]"
+
+
+async def test_request_id_names_the_response(start_gateway, start_ledger, redis, prefix):
+    await start_ledger()
+    client = await start_gateway()
+    first = await _complete(client, prompt="x", request_id="abc")
+    second = await _complete(client, prompt="x", request_id="abc")
+    assert first["id"] == second["id"] == "cmpl-abc"
+    a, b = await request_stream(redis, prefix)
+    assert isinstance(a, GenerateRequest) and isinstance(b, GenerateRequest)
+    assert a.req_id != b.req_id  # the ledger's ids stay unique
+
+
+async def test_chat_template_fields_reach_the_prompt(start_gateway, start_ledger, redis, prefix):
+    await start_ledger()
+    client = await start_gateway()
+    messages = [*CHAT, {"role": "assistant", "content": "Sure, "}]
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": messages, "max_tokens": 4, "add_generation_prompt": False,
+            "continue_final_message": True, "echo": True, "return_prompt_text": True,
+        },
+    )  # fmt: skip
+    body = await resp.json()
+    assert resp.status == 200, body
+    assert body["prompt_text"] == "<|user|>\nHi\n<|assistant|>\nSure, "
+    message = body["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Sure, " + TEXT[:4]}
+    (req,) = await request_stream(redis, prefix)
+    assert isinstance(req, GenerateRequest)
+    assert req.prompt_token_ids == ByteTokenizer().encode(body["prompt_text"])
+
+
+async def test_without_a_generation_prompt_the_answer_takes_the_last_role(
+    start_gateway, start_ledger
+):
+    await start_ledger()
+    client = await start_gateway()
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"messages": CHAT, "max_tokens": 3, "add_generation_prompt": False, "stream": True},
+    )
+    events = await read_sse(resp)
+    assert events[0]["choices"][0]["delta"]["role"] == "user"
+
+
+async def test_ignore_eos_drops_eos_and_the_stop_token_text_is_hidden(
+    start_gateway, start_ledger, redis, prefix
+):
+    await start_ledger()
+    client = await start_gateway()
+    await _complete(client, prompt="x", ignore_eos=True)
+    (req,) = await request_stream(redis, prefix)
+    assert isinstance(req, GenerateRequest) and req.sampling.eos_token_id is None
+    assert EOS not in (req.sampling.stop_token_ids or [])

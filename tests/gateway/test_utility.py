@@ -1,0 +1,137 @@
+"""The utility endpoints (/tokenize, /detokenize, /version, /ping, /v1/models/{id},
+/openapi.json), /health's settings, and `--help` showing every flag's default."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gateway.openapi import FIELD_SCHEMAS
+from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from services.tokenizer import ByteTokenizer
+from tests.gateway.helpers import assert_error
+
+BOS = ByteTokenizer.BOS_ID
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+async def test_tokenize_a_prompt_and_a_chat(start_gateway, start_ledger):
+    await start_ledger()
+    client = await start_gateway()
+    resp = await client.post("/tokenize", json={"prompt": "Hi", "return_token_strs": True})
+    assert await resp.json() == {
+        "count": 3, "max_model_len": 64, "tokens": [BOS, *b"Hi"], "token_strs": ["<s>", "H", "i"]
+    }  # fmt: skip
+    resp = await client.post("/tokenize", json={"prompt": "Hi", "add_special_tokens": False})
+    assert (await resp.json())["tokens"] == [*b"Hi"]
+    resp = await client.post("/tokenize", json={"messages": CHAT})
+    assert (await resp.json())["tokens"] == ByteTokenizer().apply_chat_template(CHAT)
+
+
+async def test_detokenize_and_its_errors(start_gateway, start_ledger):
+    await start_ledger()
+    client = await start_gateway()
+    resp = await client.post("/detokenize", json={"tokens": [BOS, *b"Hi"]})
+    assert await resp.json() == {"prompt": "<s>Hi"}
+    resp = await client.post("/detokenize", json={"tokens": [300]})
+    assert resp.status == 400
+    assert_error(await resp.json(), "tokens", "out of the vocabulary")
+    resp = await client.post("/detokenize", json={"tokens": [1], "model": "other"})
+    assert resp.status == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "messages": CHAT}, "messages"),
+        ({"prompt": 5}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+    ],
+)
+async def test_tokenize_refuses_what_it_cannot_do(start_gateway, start_ledger, body, param):
+    await start_ledger()
+    client = await start_gateway()
+    resp = await client.post("/tokenize", json=body)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == param
+
+
+async def test_version_ping_and_model_card(start_gateway, start_ledger):
+    ledger = await start_ledger()
+    client = await start_gateway()
+    assert (await (await client.get("/version")).json())["version"]
+    assert (await client.get("/ping")).status == 200
+    assert (await client.post("/ping")).status == 200
+    card = await (await client.get("/v1/models/fake-model")).json()
+    assert (card["id"], card["object"], card["max_model_len"]) == ("fake-model", "model", 64)
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"] == [card]
+    assert (await client.get("/v1/models/nope")).status == 404
+    await ledger.__aexit__(None, None, None)
+    assert (await client.get("/ping")).status == 503
+
+
+async def test_health_shows_the_active_settings(start_gateway, start_ledger):
+    await start_ledger(scheduling_policy="priority")
+    client = await start_gateway(model_name="served-name")
+    body = await (await client.get("/health")).json()
+    assert body["settings"]["served_model_name"] == "served-name"
+    assert body["ledger"]["scheduling_policy"] == "priority"
+    assert body["ledger"]["hash_algo"] == "sha256"
+    assert "async_scheduling" in body["ledger"]
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "served-name"  # the served name beats the ledger's
+
+
+async def test_openapi_describes_every_route_and_every_field(start_gateway, start_ledger):
+    await start_ledger()
+    client = await start_gateway()
+    doc = await (await client.get("/openapi.json")).json()
+    routes = {
+        (method.upper(), resource.canonical)
+        for resource in client.app.router.resources()
+        for route in resource
+        if (method := route.method) != "HEAD"
+    }
+    documented = {(m.upper(), path) for path, ops in doc["paths"].items() for m in ops}
+    assert routes <= documented, routes - documented
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert set(body["schema"]["properties"]) == set(COMPLETION_FIELDS)
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert set(chat["content"]["application/json"]["schema"]["properties"]) == set(CHAT_FIELDS)
+    for table in (COMPLETION_FIELDS, CHAT_FIELDS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS):
+        assert set(table) <= set(FIELD_SCHEMAS)
+
+
+COMMANDS = ["up", "ledger", "worker", "gateway", "hash", "capacity", "simulate", "events"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_of_every_command_shows_its_default(command):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", command, "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    options = out.split("options:", 1)[1]
+    # One entry per flag: a line starting with "  --", continued by deeper-indented lines.
+    entries = [e for e in options.split("\n  -") if e.strip() and not e.startswith("h, --help")]
+    assert entries
+    for entry in entries:
+        flat = " ".join(entry.split())
+        assert "(default" in flat or "(required)" in flat, flat
+
+
+def test_the_settings_the_issue_names_are_flags_of_up_and_the_services():
+    up = subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", "up", "--help"], capture_output=True, text=True
+    ).stdout
+    ledger = subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", "ledger", "--help"], capture_output=True, text=True
+    ).stdout
+    for flag in ("--scheduling-policy", "--hash-algo", "--async-scheduling", "--served-model-name"):
+        assert flag in up
+    for flag in ("--scheduling-policy", "--hash-algo", "--async-scheduling"):
+        assert flag in ledger
