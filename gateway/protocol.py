@@ -28,6 +28,7 @@ from gateway.fields import (
     read_token_ids,
     type_name,
 )
+from gateway.logits_fields import LogitsFields, read_logits_fields
 from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS_FIELDS, check_fields
 from services.messages import SamplingParams
 from services.tokenizer import ChatTemplateError, Tokenizer
@@ -83,6 +84,7 @@ class Job:
     request_id: str | None = None  # the client's id (response id cmpl-<request_id>)
     user: str | None = None  # recorded only, as vLLM
     session_id: str | None = None  # recorded only, as vLLM
+    logits: LogitsFields = field(default_factory=LogitsFields)  # penalties, bias, masks
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -109,7 +111,9 @@ def parse_completion(body: dict[str, Any], tokenizer: Tokenizer, default_max_tok
     add_special = read_bool(body, "add_special_tokens", default=True)
     prompt_ids, prompt_text = _prompt(body["prompt"], tokenizer, add_special)
     max_tokens = read_int(body, "max_tokens", lo=1)
-    job = _job(body, "completion", prompt_ids, "prompt", max_tokens or default_max_tokens)
+    job = _job(
+        body, "completion", prompt_ids, "prompt", max_tokens or default_max_tokens, tokenizer
+    )
     if read_bool(body, "echo"):
         job = dataclasses.replace(job, echo_text=prompt_text)
     return job
@@ -131,7 +135,7 @@ def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
     param = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    job = _job(body, "chat", prompt_ids, "messages", read_int(body, param, lo=1))
+    job = _job(body, "chat", prompt_ids, "messages", read_int(body, param, lo=1), tokenizer)
     return dataclasses.replace(
         job,
         max_tokens_param=param,
@@ -147,6 +151,7 @@ def _job(
     prompt_ids: list[int],
     prompt_param: str,
     max_tokens: int | None,
+    tokenizer: Tokenizer,
 ) -> Job:
     stream = read_bool(body, "stream")
     options = body.get("stream_options")
@@ -188,6 +193,7 @@ def _job(
         request_id=read_str(body, "request_id"),
         user=read_str(body, "user"),
         session_id=read_str(body, "session_id"),
+        logits=read_logits_fields(body, tokenizer),
     )
 
 
@@ -211,6 +217,8 @@ def resolve(job: Job, limits: Limits) -> Job:
     job = _truncate(job, limits.max_model_len)
     _check_vocab(job.prompt_token_ids, limits.vocab_size, job.prompt_param)
     _check_vocab(job.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    for param, ids in job.logits.token_ids_to_check():
+        _check_vocab(ids, limits.vocab_size, param)
     num_prompt = len(job.prompt_token_ids)
     if num_prompt >= limits.max_model_len:
         raise bad_request(
@@ -271,10 +279,18 @@ def sampling_params(job: Job, eos_token_ids: Sequence[int]) -> SamplingParams:
         stop_ids += [i for i in eos_token_ids[1:] if i not in stop_ids]
     assert job.max_tokens is not None, "resolve() the job first"
     greedy = job.temperature < SAMPLING_EPS  # vLLM: greedy ignores the filters
+    logits = job.logits
     return SamplingParams(
         temperature=0.0 if greedy else job.temperature,
         top_p=1.0 if greedy else job.top_p,
         top_k=0 if greedy else job.top_k,
+        min_p=0.0 if greedy else logits.min_p,
+        presence_penalty=logits.presence_penalty,
+        frequency_penalty=logits.frequency_penalty,
+        repetition_penalty=logits.repetition_penalty,
+        logit_bias=logits.logit_bias or None,
+        allowed_token_ids=logits.allowed_token_ids,
+        bad_words_token_ids=logits.bad_words_token_ids or None,
         seed=job.seed,
         max_tokens=job.max_tokens,
         min_tokens=job.min_tokens,

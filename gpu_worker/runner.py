@@ -21,7 +21,7 @@ from gpu_worker.profile import (
     cuda_snapshot,
     profile_memory,
 )
-from gpu_worker.sampler import SampleRequest, position_seed, sample
+from gpu_worker.sampler import SAMPLING_EPS, SampleRequest, position_seed, sample
 from kernels import AttentionBackend, AttentionPlan, AttentionSpec, KVCache, select_backend
 from services.messages import CachedRequestData, NewRequestData, SamplingParams, StepMessage
 
@@ -200,7 +200,7 @@ class ModelRunner:
 
     def _new_chunk(self, req: NewRequestData, num_tokens: int) -> _Chunk:
         generator = None
-        if req.sampling.seed is not None and req.sampling.temperature > 0:
+        if req.sampling.seed is not None and req.sampling.temperature >= SAMPLING_EPS:
             generator = torch.Generator(self.device)
         state = RequestState(
             [], req.num_prompt_tokens, [], req.num_computed_tokens, req.sampling, generator
@@ -313,7 +313,9 @@ class ModelRunner:
         if len(state.token_ids) - state.num_prompt_tokens < params.min_tokens:
             stops = (params.eos_token_id, *(params.stop_token_ids or ()))
             banned = [t for t in stops if t is not None and 0 <= t < self.config.vocab_size]
-        return SampleRequest(params, state.generator, banned)
+        prompt = state.token_ids[: state.num_prompt_tokens]
+        output = state.token_ids[state.num_prompt_tokens :]
+        return SampleRequest(params, state.generator, banned, prompt, output)
 
 
 def attention_spec(model: LlamaForCausalLM, block_size: int) -> AttentionSpec:

@@ -15,14 +15,23 @@ from services.wire import Message, Record
 
 
 class SamplingParams(Record):
-    temperature: float = 0.0  # 0 means greedy
+    """vLLM's sampling settings as the worker applies them (batched, in torch)."""
+
+    temperature: float = 0.0  # below 1e-5 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability
     seed: int | None = None  # per-request generator seed; None draws from the worker's generator
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     eos_token_id: int | None = None  # None: never stop on EOS (ignore_eos)
+    presence_penalty: float = 0.0  # subtracted once from every token the output holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (or multiplies) logits of prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # every other token is masked
+    bad_words_token_ids: list[list[int]] | None = None  # the last token is banned after the rest
 
 
 class GenerateRequest(Message, tag="generate"):

@@ -146,3 +146,38 @@ async def test_ignore_eos_drops_eos_and_the_stop_token_text_is_hidden(
     (req,) = await request_stream(redis, prefix)
     assert isinstance(req, GenerateRequest) and req.sampling.eos_token_id is None
     assert EOS not in (req.sampling.stop_token_ids or [])
+
+
+async def test_logits_fields_reach_the_worker_as_vllm_normalises_them(
+    start_gateway, start_ledger, redis, prefix
+):
+    await start_ledger()
+    client = await start_gateway()
+    await _complete(
+        client, prompt="x", min_p=0.2, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.3, logit_bias={"65": 250, "66": -1}, allowed_token_ids=[65, 66],
+        bad_words=["ab"], temperature=0.001,
+    )  # fmt: skip
+    (req,) = await request_stream(redis, prefix)
+    assert isinstance(req, GenerateRequest)
+    s = req.sampling
+    assert (s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (
+        0.2, 0.5, -0.5, 1.3
+    )  # fmt: skip
+    assert s.logit_bias == {65: 100.0, 66: -1.0}  # clamped to [-100, 100]
+    assert s.allowed_token_ids == [65, 66]
+    # " ab" is three byte tokens, not a different first token of the same length: one variant
+    assert s.bad_words_token_ids == [[*b"ab"]]
+    assert s.temperature == 0.01  # vLLM raises 0 < t < 0.01 to 0.01
+    for body, param in (
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"999": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+    ):
+        resp = await client.post("/v1/completions", json={"prompt": "x", **body})
+        assert resp.status == 400, body
+        assert (await resp.json())["error"]["param"] == param

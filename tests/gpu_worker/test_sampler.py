@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from gpu_worker.sampler import SampleRequest, filtered_probs, position_seed, sample
+from gpu_worker.sampler import (
+    SampleRequest,
+    filtered_probs,
+    position_seed,
+    process_logits,
+    sample,
+)
 from services.messages import SamplingParams
 from tests.gpu_worker.driver import MiniLedger, generate
 
@@ -116,3 +122,101 @@ def test_min_tokens_bans_eos_until_reached(make_runner, min_tokens):
     params = SamplingParams(temperature=0.0, min_tokens=min_tokens, eos_token_id=target)
     out = generate(make_runner(), [prompt], 1, sampling=params)[0][0]
     assert (out == target) == (min_tokens == 0)
+
+
+# --- vLLM's logits processors, batched ----------------------------------------------------------
+
+
+def _row(**params) -> SampleRequest:
+    return SampleRequest(SamplingParams(temperature=1.0, **params))
+
+
+def test_penalties_follow_vllms_formula_on_every_row_at_once():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]] * 3)
+    rows = [
+        SampleRequest(
+            SamplingParams(temperature=1.0, repetition_penalty=2.0),
+            prompt_token_ids=[0], output_token_ids=[1],
+        ),
+        SampleRequest(
+            SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.25),
+            prompt_token_ids=[3], output_token_ids=[2, 2, 4],
+        ),
+        _row(),  # no penalty: untouched
+    ]  # fmt: skip
+    out = process_logits(logits, rows)
+    # repetition: positive logits divided, negative multiplied, only for prompt/output tokens
+    torch.testing.assert_close(out[0], torch.tensor([1.0, -2.0, 0.5, 3.0, -2.0]))
+    # frequency per occurrence and presence once, output tokens only (not the prompt's 3)
+    torch.testing.assert_close(out[1], torch.tensor([2.0, -1.0, 0.5 - 1.0 - 0.25, 3.0, -2.75]))
+    torch.testing.assert_close(out[2], logits[2])
+
+
+def test_logit_bias_allowed_tokens_and_bad_words():
+    logits = torch.zeros(3, 6)
+    rows = [
+        _row(logit_bias={4: 5.0, 1: -3.0}),
+        _row(allowed_token_ids=[2, 5]),
+        SampleRequest(
+            SamplingParams(temperature=1.0, bad_words_token_ids=[[3], [1, 2], [0, 5]]),
+            output_token_ids=[4, 1],
+        ),
+    ]
+    out = process_logits(logits, rows)
+    assert out[0].tolist() == [0, -3, 0, 0, 5, 0]
+    assert torch.isinf(out[1]).tolist() == [True, True, False, True, True, False]
+    # [3] always; [1, 2]'s 2 because the output ends with 1; [0, 5] not (the output ends with 1)
+    assert torch.isinf(out[2]).tolist() == [False, False, True, True, False, False]
+
+
+def test_min_p_keeps_only_tokens_close_to_the_top():
+    probs, ids = filtered_probs(known_logits(), [SamplingParams(temperature=1.0, min_p=0.5)])
+    # 0.5 and 0.3 are >= 0.5 * 0.5; 0.15 and 0.05 are not
+    torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    everything = filtered_probs(known_logits(), [SamplingParams(temperature=1.0, min_p=1.0)])[0]
+    assert everything[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_min_p_one_gives_one_text_whatever_the_seed(make_runner):
+    # The issue's report: seeds 1, 2, 3 with min_p 1.0 gave three different texts.
+    prompt = [256, *b"min_p"]
+    texts = {
+        tuple(
+            generate(
+                make_runner(), [prompt], 10,
+                sampling=SamplingParams(temperature=1.0, min_p=1.0, seed=seed),
+            )[0]
+        )
+        for seed in (1, 2, 3)
+    }  # fmt: skip
+    greedy = generate(make_runner(), [prompt], 10, sampling=SamplingParams(temperature=0.0))[0]
+    assert texts == {tuple(greedy)}
+
+
+def test_temperature_below_vllms_epsilon_is_greedy(make_runner):
+    prompt = [256, *b"eps"]
+    tiny = SamplingParams(temperature=1e-6, seed=5)
+    greedy = SamplingParams(temperature=0.0)
+    assert generate(make_runner(), [prompt], 8, sampling=tiny) == generate(
+        make_runner(), [prompt], 8, sampling=greedy
+    )
+
+
+def test_presence_penalty_changes_a_greedy_text_as_the_reference_says(make_runner):
+    prompt = [256, *b"rep"]
+    runner = make_runner()
+    plain = generate(runner, [prompt], 12, sampling=SamplingParams(temperature=0.0))[0]
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0)
+    penalised = generate(make_runner(), [prompt], 12, sampling=params)[0]
+    # Reference: redo greedy decoding with the dense model, penalising by hand.
+    model = make_runner().model
+    ids, out = list(prompt), []
+    for _ in range(12):
+        logits = model.dense_logits(ids)[-1].float().clone()
+        for t in set(out):
+            logits[t] -= 2.0 + 2.0 * out.count(t)
+        token = int(logits.argmax())
+        ids.append(token)
+        out.append(token)
+    assert penalised == out
+    assert len(set(penalised)) >= len(set(plain))
