@@ -170,7 +170,7 @@ def test_logit_bias_allowed_tokens_and_bad_words():
 
 
 def test_min_p_keeps_only_tokens_close_to_the_top():
-    probs, ids = filtered_probs(known_logits(), [SamplingParams(temperature=1.0, min_p=0.5)])
+    probs, _ = filtered_probs(known_logits(), [SamplingParams(temperature=1.0, min_p=0.5)])
     # 0.5 and 0.3 are >= 0.5 * 0.5; 0.15 and 0.05 are not
     torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
     everything = filtered_probs(known_logits(), [SamplingParams(temperature=1.0, min_p=1.0)])[0]
