@@ -19,7 +19,7 @@ from gateway.protocol import Job, sampling_params
 from gateway.responses import Usage
 from gateway.stops import StopMatcher
 from observability import Attr, get_logger, inject_traceparent, usage_attributes
-from services.messages import GenerateRequest, RequestOutput
+from services.messages import GenerateRequest, RequestOutput, TokenLogprobs
 from services.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
 
 
 class Generation:
@@ -145,7 +146,9 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text as it becomes safe to show; the last delta carries the finish reason."""
         while True:
+            start = len(self.tracker.token_ids)
             new_ids = self.tracker.accept(await self._next_output())
+            logprobs = self._logprobs(start)
             if new_ids and self.first_token_s is None:
                 self.first_token_s = time.monotonic() - self.arrival
                 self.gw.metrics.record_first_token(self.first_token_s)
@@ -160,14 +163,30 @@ class Generation:
             text = self.stops.push(self._text(new_ids), final=final is not None, check=check)
             if self.stops.matched is not None:
                 self.finish_reason = "stop"
-                yield Delta(text, new_ids, "stop")
+                yield Delta(text, new_ids, "stop", logprobs)
                 return
             if final is not None:
                 self.finish_reason = final.finish_reason or "stop"
-                yield Delta(text, new_ids, self.finish_reason)
+                yield Delta(text, new_ids, self.finish_reason, logprobs)
                 return
             if text or new_ids:
-                yield Delta(text, new_ids)
+                yield Delta(text, new_ids, logprobs=logprobs)
+
+    def _logprobs(self, start: int) -> list[TokenLogprobs]:
+        """The new tokens' logprobs; a ledger that dropped them fails the request loudly."""
+        tracker, sampling = self.tracker, self.sampling
+        wanted = sampling.logprobs is not None
+        if (wanted and len(tracker.token_ids) != len(tracker.logprobs)) or (
+            sampling.prompt_logprobs is not None
+            and tracker.token_ids
+            and tracker.prompt_logprobs is None
+        ):
+            self.finish_reason = "error"
+            raise GenerationError(
+                500, "the ledger returned tokens without the logprobs the request asked for",
+                "server_error", "gateway_error",
+            )  # fmt: skip
+        return tracker.logprobs[start:] if wanted else []
 
     def _text(self, new_ids: list[int]) -> str:
         final = self.tracker.final

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from observability import get_logger
 from services import transport, wire
-from services.messages import OutputBatch, RequestOutput
+from services.messages import OutputBatch, RequestOutput, TokenLogprobs
 
 log = get_logger("gateway.outputs")
 
@@ -33,6 +33,8 @@ class TokenTracker:
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []  # one per token, when the request asked
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.final: RequestOutput | None = None  # the output that finished the request
         self.num_cached_tokens: int | None = None
         self._early: dict[int, RequestOutput] = {}
@@ -65,6 +67,9 @@ class TokenTracker:
     def _apply(self, out: RequestOutput) -> None:
         already = len(self.token_ids) - out.position
         self.token_ids.extend(out.new_token_ids[already:])
+        self.logprobs.extend((out.logprobs or [])[already:])
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.final = out
 

@@ -29,6 +29,7 @@ from gateway.fields import (
     type_name,
 )
 from gateway.logits_fields import LogitsFields, read_logits_fields
+from gateway.logprobs import LogprobFields, read_chat_logprobs, read_completion_logprobs
 from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS_FIELDS, check_fields
 from services.messages import SamplingParams
 from services.tokenizer import ChatTemplateError, Tokenizer
@@ -85,6 +86,7 @@ class Job:
     user: str | None = None  # recorded only, as vLLM
     session_id: str | None = None  # recorded only, as vLLM
     logits: LogitsFields = field(default_factory=LogitsFields)  # penalties, bias, masks
+    logprobs: LogprobFields = field(default_factory=LogprobFields)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -114,9 +116,10 @@ def parse_completion(body: dict[str, Any], tokenizer: Tokenizer, default_max_tok
     job = _job(
         body, "completion", prompt_ids, "prompt", max_tokens or default_max_tokens, tokenizer
     )
-    if read_bool(body, "echo"):
+    echo = read_bool(body, "echo")
+    if echo:
         job = dataclasses.replace(job, echo_text=prompt_text)
-    return job
+    return dataclasses.replace(job, logprobs=read_completion_logprobs(body, echo, job.stream))
 
 
 def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
@@ -142,6 +145,7 @@ def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
         role=chat.role,
         echo_text=chat.echo_text or None,
         prompt_text=prompt_text,
+        logprobs=read_chat_logprobs(body, read_bool(body, "echo"), job.stream),
     )
 
 
@@ -219,6 +223,7 @@ def resolve(job: Job, limits: Limits) -> Job:
     _check_vocab(job.stop_token_ids, limits.vocab_size, "stop_token_ids")
     for param, ids in job.logits.token_ids_to_check():
         _check_vocab(ids, limits.vocab_size, param)
+    job = dataclasses.replace(job, logprobs=job.logprobs.resolved(limits.vocab_size))
     num_prompt = len(job.prompt_token_ids)
     if num_prompt >= limits.max_model_len:
         raise bad_request(
@@ -291,6 +296,8 @@ def sampling_params(job: Job, eos_token_ids: Sequence[int]) -> SamplingParams:
         logit_bias=logits.logit_bias or None,
         allowed_token_ids=logits.allowed_token_ids,
         bad_words_token_ids=logits.bad_words_token_ids or None,
+        logprobs=job.logprobs.logprobs,
+        prompt_logprobs=job.logprobs.prompt_logprobs,
         seed=job.seed,
         max_tokens=job.max_tokens,
         min_tokens=job.min_tokens,

@@ -51,16 +51,23 @@ def final_body(
     token_ids: tuple[list[int], list[int]] | None = None,
     role: str = "assistant",
     prompt_text: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streaming) response; `token_ids` is (prompt ids, generated ids) when asked."""
+    """A whole (non-streaming) response; `token_ids` is (prompt ids, generated ids) when asked.
+    vLLM puts `prompt_logprobs` in the choice for completions, beside `choices` for chat."""
     if meta.kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": role, "content": text}}
     else:
         choice = {"index": 0, "text": text}
-    choice.update(logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
+    choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
     if token_ids is not None:
         choice["prompt_token_ids"], choice["token_ids"] = token_ids
+    if prompt_logprobs is not None and meta.kind != "chat":
+        choice["prompt_logprobs"] = prompt_logprobs
     body = _envelope(meta, streaming=False) | {"choices": [choice], "usage": usage.body()}
+    if prompt_logprobs is not None and meta.kind == "chat":
+        body["prompt_logprobs"] = prompt_logprobs
     if prompt_text is not None:
         body["prompt_text"] = prompt_text
     return body
@@ -74,6 +81,7 @@ def chunk_body(
     token_ids: list[int] | None = None,
     prompt_token_ids: list[int] | None = None,
     role: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed piece; chat's first chunk carries the role."""
     if meta.kind == "chat":
@@ -83,7 +91,7 @@ def chunk_body(
         choice: dict[str, Any] = {"index": 0, "delta": delta}
     else:
         choice = {"index": 0, "text": text}
-    choice.update(logprobs=None, finish_reason=finish_reason)
+    choice.update(logprobs=logprobs, finish_reason=finish_reason)
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     if prompt_token_ids is not None:

@@ -82,10 +82,12 @@ _SAMPLING: dict[str, FieldSupport] = {
     "min_p": works("drop tokens below min_p times the top token's probability"),
     "bad_words": works("words whose last token is banned once the rest was generated"),
     "allowed_token_ids": works("only these token ids can be sampled"),
-    "logprobs": refused("not yet served"),
-    "prompt_logprobs": refused("not yet served"),
+    "prompt_logprobs": works(
+        "logprobs of each prompt token and its top k (at most 20; no stream when k > 0); "
+        "such a request reads nothing from the prefix cache"
+    ),
     "logprob_token_ids": refused("logprobs of chosen token ids are not served", []),
-    "return_tokens_as_token_ids": refused("only meaningful with logprobs, not yet served", False),
+    "return_tokens_as_token_ids": works("logprobs name tokens 'token_id:<id>'"),
     "response_format": refused("structured outputs are not yet served", {"type": "text"}),
     "structured_outputs": refused("structured outputs are not yet served"),
     "repetition_detection": refused("n-gram repetition detection is not served"),
@@ -111,6 +113,9 @@ COMPLETION_FIELDS: dict[str, FieldSupport] = {
     "prompt_embeds": refused("prompt embeddings are not served"),
     # OpenAI's field (vLLM 0.33 dropped it): the best `n` of `best_of` samples.
     "best_of": refused("not yet served", 1),
+    "logprobs": works(
+        "raw logprobs of each token and its top k (k <= 20), in OpenAI's completions shape"
+    ),
 }
 
 CHAT_FIELDS: dict[str, FieldSupport] = {
@@ -133,10 +138,10 @@ CHAT_FIELDS: dict[str, FieldSupport] = {
     "tool_choice": refused("tool calling is not served", "none"),
     "parallel_tool_calls": works("accepted; only meaningful with tools, which are refused"),
     "include_reasoning": refused("no reasoning parser is served", True),
-    "top_logprobs": refused("not yet served", 0),
+    "top_logprobs": works("k <= 20 most likely tokens per position (with logprobs: true)"),
     "media_io_kwargs": refused("multimodal input is not served", {}),
     "mm_processor_kwargs": refused("multimodal input is not served", {}),
-    "logprobs": refused("not yet served", False),
+    "logprobs": works("raw logprobs of each output token, in OpenAI's chat shape"),
 }
 
 TOKENIZE_FIELDS: dict[str, FieldSupport] = {

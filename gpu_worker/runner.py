@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from gpu_worker.checkpoint import load_model, model_name
+from gpu_worker.logprobs import gather_logprobs
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.profile import (
     MemoryProfile,
@@ -23,7 +24,14 @@ from gpu_worker.profile import (
 )
 from gpu_worker.sampler import SAMPLING_EPS, SampleRequest, position_seed, sample
 from kernels import AttentionBackend, AttentionPlan, AttentionSpec, KVCache, select_backend
-from services.messages import CachedRequestData, NewRequestData, SamplingParams, StepMessage
+from services.messages import (
+    CachedRequestData,
+    NewRequestData,
+    PromptLogprobs,
+    SamplingParams,
+    StepMessage,
+    TokenLogprobs,
+)
 
 
 class StepError(ValueError):
@@ -57,6 +65,8 @@ class StepOutput:
     sampled: dict[str, int]  # req_id -> token, for requests whose chunk reached their end
     logits: torch.Tensor | None  # [len(sampled), vocab] in sampled's order, before sampling
     num_tokens: int  # tokens the forward pass computed (prefix-cache hits excluded)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled tokens
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -258,21 +268,61 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, plan)
         for c in chunks:
             c.state.num_computed_tokens = c.start + c.num_tokens
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden, plan.query_start_loc.tolist())
         # Only a chunk that reaches the end of its known tokens samples; a prefill chunk that
         # stops short has no next token to predict yet.
         rows = [i for i, c in enumerate(chunks) if c.start + c.num_tokens == len(c.state.token_ids)]
         if not rows:
-            return StepOutput({}, None, len(input_ids))
+            return StepOutput({}, None, len(input_ids), prompt_logprobs=prompt_logprobs)
         last = plan.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last[rows]])
         sampling = [chunks[i] for i in rows]
         tokens = sample(logits, [self._sample_request(c.state) for c in sampling], self._generator)
+        asking = [j for j, c in enumerate(sampling) if c.state.sampling.logprobs is not None]
+        logprobs = gather_logprobs(
+            logits[asking],
+            [tokens[j] for j in asking],
+            [sampling[j].state.sampling.logprobs or 0 for j in asking],
+        )
         # The worker keeps what it sampled: the next step computes that token without waiting
         # for the ledger to send it back (which is what lets the ledger run a step ahead).
         for c, token in zip(sampling, tokens, strict=True):
             c.state.token_ids.append(token)
         sampled = {c.req_id: t for c, t in zip(sampling, tokens, strict=True)}
-        return StepOutput(sampled, logits, len(input_ids))
+        by_req = {sampling[j].req_id: lp for j, lp in zip(asking, logprobs, strict=True)}
+        return StepOutput(sampled, logits, len(input_ids), by_req, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, chunks: list[_Chunk], hidden: torch.Tensor, query_start: list[int]
+    ) -> dict[str, PromptLogprobs]:
+        """Logprobs of the prompt tokens this step's chunks predict: the hidden state at position
+        p scores prompt token p + 1. Only before the first output (a resumed request sent them
+        already); the ledger keeps the prompt's positions uncached for such requests."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[_Chunk, int, int]] = []  # chunk, first prompt position, count
+        for i, c in enumerate(chunks):
+            state = c.state
+            if state.sampling.prompt_logprobs is None or len(state.token_ids) > (
+                state.num_prompt_tokens
+            ):
+                continue
+            end = min(c.start + c.num_tokens, state.num_prompt_tokens - 1)
+            if end <= c.start:
+                continue
+            rows += range(query_start[i], query_start[i] + end - c.start)
+            targets += state.token_ids[c.start + 1 : end + 1]
+            spans.append((c, c.start + 1, end - c.start))
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        num_top = [c.state.sampling.prompt_logprobs or 0 for c, _, n in spans for _ in range(n)]
+        entries = gather_logprobs(logits, targets, num_top)
+        out, offset = {}, 0
+        for c, start, n in spans:
+            out[c.req_id] = PromptLogprobs(start=start, positions=entries[offset : offset + n])
+            offset += n
+        return out
 
     def _prepare(self, chunks: list[_Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
         """Flattened input ids and positions, and the step's attention plan."""

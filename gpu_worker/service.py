@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import torch
 from opentelemetry.trace import SpanKind
 
-from gpu_worker.runner import ModelRunner, StepError
+from gpu_worker.runner import ModelRunner, StepError, StepOutput
 from observability import Attr, SpanName, get_logger, links_from_traceparents
 from services import registry, transport
 from services.config import WorkerConfig
@@ -153,9 +153,9 @@ class WorkerService:
         started = time.perf_counter()
         start_ns = time.time_ns()
         error = None
-        sampled: dict[str, int] = {}
+        output = StepOutput({}, None, 0)
         try:
-            sampled = await asyncio.to_thread(self.runner.execute, step)
+            output = await asyncio.to_thread(self.runner.run_step, step)
         except StepError as exc:
             error = f"step {step.step_id} refused: {exc}"
             log.error("step_refused", step_id=step.step_id, error=str(exc))
@@ -169,7 +169,9 @@ class WorkerService:
             step_id=step.step_id,
             epoch=step.epoch,
             worker_id=self.worker_id,
-            sampled_token_ids=sampled,
+            sampled_token_ids=output.sampled,
+            logprobs=output.logprobs or None,
+            prompt_logprobs=output.prompt_logprobs or None,
             execute_seconds=elapsed,
             error=error,
         )

@@ -32,6 +32,26 @@ class SamplingParams(Record):
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # every other token is masked
     bad_words_token_ids: list[list[int]] | None = None  # the last token is banned after the rest
+    # Logprobs of the raw logits (vLLM's raw_logprobs mode): None asks for none, k >= 0 for the
+    # chosen token's and the k most likely tokens'.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+
+
+class TokenLogprobs(Record):
+    """Logprobs at one position, as vLLM's per-position dict: the chosen (sampled or prompt)
+    token first, then the top-k tokens in rank order (ranks 1..k; the chosen one may repeat)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # the chosen token's rank: 1 + how many tokens are more likely (ties count)
+
+
+class PromptLogprobs(Record):
+    """A prefill chunk's prompt logprobs: entries for prompt positions start, start+1, ..."""
+
+    start: int  # >= 1: the first prompt token has no logprob
+    positions: list[TokenLogprobs]
 
 
 class GenerateRequest(Message, tag="generate"):
@@ -121,6 +141,8 @@ class StepResult(Message, tag="result"):
     epoch: str
     worker_id: str
     sampled_token_ids: dict[str, int]  # req_id -> the token sampled this step
+    logprobs: dict[str, TokenLogprobs] | None = None  # for the requests that ask
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None  # for the requests that ask
     execute_seconds: float = 0.0
     error: str | None = None  # set when the worker could not run the step
 
@@ -138,6 +160,9 @@ class RequestOutput(Record):
     num_cached_tokens: int = 0  # prefix-cache hit at (first) admission, in tokens
     num_preemptions: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    # Positions 1.. of the prompt (position 0 has none), with the output at position 0.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class OutputBatch(Message, tag="outputs"):

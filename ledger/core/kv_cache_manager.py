@@ -91,7 +91,7 @@ class KVCacheManager:
         Never the whole prompt: the last token is always recomputed to get its logits, so the
         hit stops at `num_tokens - 1` (which may cost a whole block, as the hit is block-aligned).
         """
-        if not self.enable_caching:
+        if not self.prefix_cache_lookup_enabled(request):
             return [], 0
         limit = (request.num_tokens - 1) // self.block_size
         get = self.block_pool.cached_block_hash_to_block.get_one_block
@@ -103,8 +103,11 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
-        if self.enable_caching:
+        if self.prefix_cache_lookup_enabled(request):  # as vLLM: a skipped lookup is no query
             self.prefix_cache_stats.record(
                 request.num_tokens, num_hits, request.num_preemptions > 0
             )

@@ -63,6 +63,7 @@ class Request(Generic[P]):
         lora_id: int | None = None,
         block_hasher: BlockHasher | None = None,
         block_size: int = 16,
+        skip_reading_prefix_cache: bool = False,
         payload: P = None,  # type: ignore[assignment]  # None when the caller keeps nothing
     ) -> None:
         if not prompt_token_ids:
@@ -80,6 +81,9 @@ class Request(Generic[P]):
         self.lora = lora  # (name, path): what the block hashes carry
         self.lora_id = lora_id  # the adapter's integer id: what BlockStored.lora_id carries
         self.payload = payload
+        # Prompt logprobs need every prompt position computed: such a request reads no cached
+        # blocks (vLLM's skip_reading_prefix_cache), though its own blocks are cached for others.
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

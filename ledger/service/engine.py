@@ -29,6 +29,7 @@ from ledger.service.telemetry import LedgerTelemetry
 from ledger.service.translate import (
     Tracked,
     build_step_message,
+    file_logprobs,
     rejection,
     request_from_message,
     request_output,
@@ -44,6 +45,7 @@ from services.messages import (
     LedgerStatus,
     OutputBatch,
     RequestOutput,
+    StepResult,
     WorkerHello,
 )
 from services.wire import WireError, encode, kind_of
@@ -244,12 +246,13 @@ class LedgerService:
                 await self._wait_for_intake(0.05)
                 continue
             out, started = in_flight.popleft()
-            sampled = await self._await_results(out)
-            if sampled is None:
+            result = await self._await_results(out)
+            if result is None:
                 in_flight.clear()
                 await self._workers_changed("a step failed on a worker")
                 continue
-            self.unsent.extend(scheduler.update_from_output(out, sampled))
+            file_logprobs(out, result)
+            self.unsent.extend(scheduler.update_from_output(out, result.sampled_token_ids))
             if self.metrics is not None:
                 self.metrics.record_step(time.monotonic() - started)
         await self._flush_outputs()
@@ -263,7 +266,7 @@ class LedgerService:
                 async with asyncio.timeout(timeout):
                     await self.intake_event.wait()
 
-    async def _await_results(self, out: SchedulerOutput[Tracked]) -> dict[str, int] | None:
+    async def _await_results(self, out: SchedulerOutput[Tracked]) -> StepResult | None:
         return await self.step_results.wait(
             out, dict(self.workers), self.cfg.step_timeout_s,
             give_up=lambda: self.membership_changed or self.stopping.is_set(),

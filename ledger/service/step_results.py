@@ -67,8 +67,8 @@ class StepResults:
         workers: dict[str, WorkerHello],
         timeout_s: float,
         give_up: Callable[[], bool],
-    ) -> dict[str, int] | None:
-        """The tokens of this step once every worker answered; None if a worker failed,
+    ) -> StepResult | None:
+        """This step's result once every worker answered; None if a worker failed,
         vanished or restarted (`give_up`), timed out, or answered what does not fit the step."""
         deadline = time.monotonic() + timeout_s
         step_id = out.step_id
@@ -108,7 +108,7 @@ class StepResults:
                 missing=sorted(out.sampling_req_ids - got), unexpected=sorted(got - out.sampling_req_ids),
             )  # fmt: skip
             return None
-        return primary.sampled_token_ids
+        return primary
 
     def clear(self) -> None:
         self.results.clear()

@@ -7,7 +7,7 @@ the I/O, this module decides what the messages say.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ledger.core.hashing import BlockHasher
 from ledger.core.request import Request
@@ -18,6 +18,8 @@ from services.messages import (
     NewRequestData,
     RequestOutput,
     StepMessage,
+    StepResult,
+    TokenLogprobs,
 )
 from services.transport import Entry
 
@@ -28,6 +30,8 @@ class Tracked:
 
     entry: Entry | None  # the requests-stream entry, acked when the request ends
     msg: GenerateRequest
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of tokens not yet sent
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position
 
 
 def validate_request(msg: GenerateRequest, vocab_size: int, max_model_len: int) -> str | None:
@@ -68,24 +72,55 @@ def request_from_message(
         cache_salt=msg.cache_salt,
         block_hasher=hasher,
         block_size=block_size,
+        skip_reading_prefix_cache=s.prompt_logprobs is not None,
         payload=Tracked(entry, msg),
     )
+
+
+def file_logprobs(out: SchedulerOutput[Tracked], result: StepResult) -> None:
+    """Keep a step's logprobs with their requests until their tokens go out (`request_output`).
+
+    A prompt position computed twice (a request preempted in its prefill) keeps the later entry.
+    """
+    if not result.logprobs and not result.prompt_logprobs:
+        return
+    requests = {new.request.request_id: new.request for new in out.scheduled_new_reqs}
+    requests.update((c.request.request_id, c.request) for c in out.scheduled_cached_reqs)
+    for req_id, entry in (result.logprobs or {}).items():
+        if req_id in requests:
+            requests[req_id].payload.logprobs.append(entry)
+    for req_id, chunk in (result.prompt_logprobs or {}).items():
+        if req_id in requests:
+            positions = requests[req_id].payload.prompt_logprobs
+            for offset, entry in enumerate(chunk.positions):
+                positions[chunk.start + offset] = entry
 
 
 def request_output(
     request: Request[Tracked], new_token_ids: list[int], finish_reason: str | None = None
 ) -> RequestOutput:
-    """What a gateway hears about a request: its new tokens and, at the end, why it ended."""
+    """What a gateway hears about a request: its new tokens (with their logprobs, and the
+    prompt's with the first token, when asked) and, at the end, why it ended."""
+    tracked = request.payload
+    position = request.num_output_tokens - len(new_token_ids)
+    logprobs = prompt_logprobs = None
+    if new_token_ids and tracked.msg.sampling.logprobs is not None:
+        count = len(new_token_ids)
+        logprobs, tracked.logprobs = tracked.logprobs[:count], tracked.logprobs[count:]
+    if new_token_ids and position == 0 and tracked.msg.sampling.prompt_logprobs is not None:
+        prompt_logprobs = [tracked.prompt_logprobs[p] for p in sorted(tracked.prompt_logprobs)]
     return RequestOutput(
         req_id=request.request_id,
         new_token_ids=new_token_ids,
-        position=request.num_output_tokens - len(new_token_ids),
+        position=position,
         finished=finish_reason is not None,
         finish_reason=finish_reason,
         stop_token_id=request.stop_reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         num_preemptions=request.num_preemptions,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

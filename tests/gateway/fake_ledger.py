@@ -20,6 +20,7 @@ from services.messages import (
     LedgerStatus,
     OutputBatch,
     RequestOutput,
+    TokenLogprobs,
 )
 from services.tokenizer import ByteTokenizer
 
@@ -86,10 +87,28 @@ def _chunked(
     return outs
 
 
+def fake_logprobs(token_id: int, position: int, k: int) -> TokenLogprobs:
+    """A made-up entry in the worker's layout: the chosen token, then k others (rank 1 first)."""
+    chosen = -0.25 * (position % 4 + 1)
+    top = [t for t in range(65, 65 + k + 1) if t != token_id][:k]
+    return TokenLogprobs(
+        token_ids=[token_id, *top],
+        logprobs=[chosen, *(-0.1 * (i + 1) for i in range(len(top)))],
+        rank=position % 4 + 2,
+    )
+
+
 def _output(
     req: GenerateRequest, ids: list[int], position: int, script: Script,
     finish_reason: str | None = None, error: str | None = None,
 ) -> RequestOutput:  # fmt: skip
+    s = req.sampling
+    logprobs = prompt_logprobs = None
+    if ids and s.logprobs is not None:
+        logprobs = [fake_logprobs(t, position + i, s.logprobs) for i, t in enumerate(ids)]
+    if ids and position == 0 and s.prompt_logprobs is not None:
+        prompt = req.prompt_token_ids
+        prompt_logprobs = [fake_logprobs(t, p, s.prompt_logprobs) for p, t in enumerate(prompt)][1:]
     return RequestOutput(
         req_id=req.req_id,
         new_token_ids=ids,
@@ -99,6 +118,8 @@ def _output(
         num_prompt_tokens=len(req.prompt_token_ids),
         num_cached_tokens=script.cached_tokens,
         error=error,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -147,6 +147,24 @@ def test_basic_prefix_caching_disabled(make_request):
     assert manager.prefix_cache_stats.queries == 0
 
 
+def test_skip_reading_prefix_cache_reads_nothing_but_caches_its_blocks(make_request):
+    manager = KVCacheManager(11, BS, 8192)
+    common = [7] * (2 * BS)
+    req0 = make_request("0", [*common, 1])
+    admit(manager, req0)
+    # Prompt logprobs need every position computed: no hit, no query counted, fresh blocks.
+    req1 = make_request("1", [*common, 2], skip_reading_prefix_cache=True)
+    hits, num_hit, blocks = admit(manager, req1)
+    assert hits == [] and num_hit == 0 and ids(blocks) == [4, 5, 6]
+    manager.record_prefix_cache_stats(req1, num_hit)
+    assert manager.prefix_cache_stats.requests == 0  # a skipped lookup is no query
+    manager.free(req0)
+    manager.free(req1)
+    req2 = make_request("2", [*common, 3])
+    hits, num_hit, _ = admit(manager, req2)
+    assert num_hit == 2 * BS  # the skipping request's blocks (or req0's) serve the next one
+
+
 def test_cache_key_salting(make_request, hasher):
     manager = KVCacheManager(20, BS, 8192)
     tokens = list(range(3 * 16 + 5))

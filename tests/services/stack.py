@@ -23,6 +23,7 @@ from services.messages import (
     OutputBatch,
     RequestOutput,
     SamplingParams,
+    TokenLogprobs,
 )
 
 GATEWAY = "test-gateway"
@@ -32,6 +33,8 @@ GATEWAY = "test-gateway"
 class Result:
     tokens: list[int] = field(default_factory=list)
     final: RequestOutput | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 def dense_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
@@ -163,7 +166,11 @@ class Stack:
     def _apply(self, out: RequestOutput) -> None:
         result = self.results.setdefault(out.req_id, Result())
         assert out.position <= len(result.tokens), f"gap in {out.req_id}'s outputs"
-        result.tokens.extend(out.new_token_ids[len(result.tokens) - out.position :])
+        already = len(result.tokens) - out.position
+        result.tokens.extend(out.new_token_ids[already:])
+        result.logprobs.extend((out.logprobs or [])[already:])
+        if out.prompt_logprobs is not None:
+            result.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             result.final = out
 
