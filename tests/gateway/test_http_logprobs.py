@@ -63,9 +63,7 @@ async def test_chat_logprobs_and_top_logprobs(start_gateway, start_ledger):
     assert [c["token"] for c in content] == list(TEXT[:5])
     assert [c["logprob"] for c in content] == _expected_chosen(5)
     assert content[0]["bytes"] == [ord("H")] and content[0]["top_logprobs"] == []
-    body = await _post(
-        client, "/v1/chat/completions", messages=CHAT, logprobs=True, top_logprobs=2
-    )
+    body = await _post(client, "/v1/chat/completions", messages=CHAT, logprobs=True, top_logprobs=2)
     assert ledger.requests[1].sampling.logprobs == 2
     top = body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
     # vLLM's order: the chosen token, then the most likely ones, top_logprobs of them in all.
