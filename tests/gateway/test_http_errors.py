@@ -53,7 +53,7 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str | None, str]] = [
     ("chat/completions", {"messages": CHAT, "add_generation_prompt": True,
                           "continue_final_message": True}, "continue_final_message",
      "Cannot set both"),
-    ("completions", {"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "max allowed: 20"),
     ("completions", {"prompt": "x", "max_tokens": 63}, "max_tokens",
      "This model's maximum context length is 64 tokens. However, you requested 65 tokens "
      "(2 in the messages, 63 in the completion). Please reduce the length of the messages or "
@@ -67,7 +67,7 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str | None, str]] = [
      "string or a list of text parts"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "only text"),
-    ("chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
+    ("chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs", "must be a boolean"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0},
      "max_completion_tokens", ">= 1"),
     ("chat/completions", {"messages": CHAT, "max_tokens": 100}, "max_tokens",
