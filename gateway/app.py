@@ -21,8 +21,9 @@ from redis.exceptions import RedisError
 
 from gateway.fields import ApiError
 from gateway.generate import Generation
+from gateway.prompts import fan_out
 from gateway.protocol import Job, parse_chat, parse_completion, parse_json, resolve
-from gateway.replies import respond, stream
+from gateway.replies import respond, stream, total_usage
 from gateway.responses import Meta, error_body
 from gateway.service import Gateway
 from gateway.utility import add_utility_routes, model_body
@@ -232,25 +233,31 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.StreamResponse:
     arrival = time.monotonic()
     body = parse_json(await request.read())
-    job = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
+    jobs = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
     async with gw.admit():
         limits = gw.limits(await gw.wait_for_ledger())
-        job = resolve(job, limits)
+        # One ledger request per choice (n samples of every prompt), all under one response id.
+        children = fan_out([resolve(job, limits) for job in jobs])
         span.set_attribute(Attr.GEN_AI_REQUEST_MODEL, limits.model_name)
-        gen = Generation(gw, job, lambda: _client_gone(request), arrival)
+        gens: list[Generation] = []
+        for job in children:
+            response_id = gens[0].response_id if gens else None
+            gens.append(Generation(gw, job, lambda: _client_gone(request), arrival, response_id))
         try:
-            async with gen:
-                meta = Meta(kind, gen.response_id, int(time.time()), limits.model_name)
-                if job.stream:
-                    return await stream(request, gen, meta)
-                return await respond(gen, meta)
+            async with contextlib.AsyncExitStack() as stack:
+                for gen in gens:
+                    await stack.enter_async_context(gen)
+                meta = Meta(kind, gens[0].response_id, int(time.time()), limits.model_name)
+                if children[0].stream:
+                    return await stream(request, gens, meta)
+                return await respond(gens, meta)
         finally:
-            span.set_attributes(gen.span_attributes())
+            span.set_attributes(gens[0].span_attributes(total_usage(gens)))
 
 
-def _parse(gw: Gateway, kind: str, body: dict[str, Any]) -> Job:
+def _parse(gw: Gateway, kind: str, body: dict[str, Any]) -> list[Job]:
     if kind == "chat":
-        return parse_chat(body, gw.tokenizer)
+        return [parse_chat(body, gw.tokenizer)]
     return parse_completion(body, gw.tokenizer, gw.config.default_max_tokens)
 
 

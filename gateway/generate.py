@@ -56,7 +56,12 @@ class Generation:
     """`async with Generation(...) as gen: async for delta in gen.deltas(): ...`"""
 
     def __init__(
-        self, gw: Gateway, job: Job, client_gone: Callable[[], bool], arrival: float
+        self,
+        gw: Gateway,
+        job: Job,
+        client_gone: Callable[[], bool],
+        arrival: float,
+        response_id: str | None = None,  # shared by the choices of one response
     ) -> None:
         self.gw = gw
         self.job = job
@@ -66,7 +71,7 @@ class Generation:
         unique = uuid.uuid4().hex
         # The client's request_id names the response (as vLLM); the ledger's id stays unique
         # even when a client reuses one.
-        self.response_id = prefix + (job.request_id or unique)
+        self.response_id = response_id or prefix + (job.request_id or unique)
         self.req_id = (
             prefix + unique if job.request_id is None else f"{self.response_id}-{unique[:8]}"
         )
@@ -244,8 +249,9 @@ class Generation:
             cached_tokens=self.tracker.num_cached_tokens or 0,
         )
 
-    def span_attributes(self) -> dict[str, AttributeValue]:
-        usage = self.usage()
+    def span_attributes(self, usage: Usage | None = None) -> dict[str, AttributeValue]:
+        """This generation's attributes; `usage` is the whole response's when it has choices."""
+        usage = usage or self.usage()
         attributes = usage_attributes(
             input_tokens=usage.prompt_tokens,
             output_tokens=usage.completion_tokens,

@@ -9,6 +9,7 @@ the first `logprobs + 1` of them, chat the first `top_logprobs`, as vLLM does; -
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ class LogprobFields:
     prompt_logprobs: int | None = None
     num_shown: int | None = None  # entries shown per position; None: all
     as_token_ids: bool = False  # return_tokens_as_token_ids: "token_id:<id>" strings
+    hidden: bool = False  # computed only to rank best_of's samples
 
     def resolved(self, vocab_size: int) -> LogprobFields:
         """-1 becomes the vocabulary; more than MAX_LOGPROBS is refused, as vLLM."""
@@ -46,7 +48,7 @@ class LogprobFields:
                     name,
                 )
             counts.append(count)
-        return LogprobFields(counts[0], counts[1], self.num_shown, self.as_token_ids)
+        return dataclasses.replace(self, logprobs=counts[0], prompt_logprobs=counts[1])
 
 
 def read_completion_logprobs(body: dict[str, Any], echo: bool, stream: bool) -> LogprobFields:

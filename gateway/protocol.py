@@ -26,10 +26,10 @@ from gateway.fields import (
     read_str,
     read_stream_options,
     read_token_ids,
-    type_name,
 )
 from gateway.logits_fields import LogitsFields, read_logits_fields
 from gateway.logprobs import LogprobFields, read_chat_logprobs, read_completion_logprobs
+from gateway.prompts import check_num_sequences, read_best_of, read_n, read_prompts
 from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS_FIELDS, check_fields
 from services.messages import SamplingParams
 from services.tokenizer import ChatTemplateError, Tokenizer
@@ -87,6 +87,9 @@ class Job:
     session_id: str | None = None  # recorded only, as vLLM
     logits: LogitsFields = field(default_factory=LogitsFields)  # penalties, bias, masks
     logprobs: LogprobFields = field(default_factory=LogprobFields)
+    n: int = 1  # choices returned per prompt
+    best_of: int | None = None  # completions: samples drawn per prompt, the best n returned
+    prompt_index: int = 0  # which prompt of a batch (completions)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -106,20 +109,30 @@ def _refuse_constant(name: str) -> None:
     raise bad_request(f"the request body is not valid JSON: {name} is not a JSON value", None)
 
 
-def parse_completion(body: dict[str, Any], tokenizer: Tokenizer, default_max_tokens: int) -> Job:
+def parse_completion(
+    body: dict[str, Any], tokenizer: Tokenizer, default_max_tokens: int
+) -> list[Job]:
+    """One job per prompt of the batch (a string or token ids, or a list of either)."""
     check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("'prompt' is required", "prompt")
     add_special = read_bool(body, "add_special_tokens", default=True)
-    prompt_ids, prompt_text = _prompt(body["prompt"], tokenizer, add_special)
+    prompts = read_prompts(body["prompt"], tokenizer, add_special)
     max_tokens = read_int(body, "max_tokens", lo=1)
-    job = _job(
-        body, "completion", prompt_ids, "prompt", max_tokens or default_max_tokens, tokenizer
-    )
+    first_ids = prompts[0][0]
+    job = _job(body, "completion", first_ids, "prompt", max_tokens or default_max_tokens, tokenizer)
     echo = read_bool(body, "echo")
-    if echo:
-        job = dataclasses.replace(job, echo_text=prompt_text)
-    return dataclasses.replace(job, logprobs=read_completion_logprobs(body, echo, job.stream))
+    best_of = read_best_of(body, job.n, job.stream)
+    check_num_sequences(len(prompts), job.n, best_of)
+    job = dataclasses.replace(
+        job, logprobs=read_completion_logprobs(body, echo, job.stream), best_of=best_of
+    )
+    return [
+        dataclasses.replace(
+            job, prompt_token_ids=ids, echo_text=text if echo else None, prompt_index=i
+        )
+        for i, (ids, text) in enumerate(prompts)
+    ]
 
 
 def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
@@ -198,6 +211,7 @@ def _job(
         user=read_str(body, "user"),
         session_id=read_str(body, "session_id"),
         logits=read_logits_fields(body, tokenizer),
+        n=read_n(body),
     )
 
 
@@ -304,33 +318,6 @@ def sampling_params(job: Job, eos_token_ids: Sequence[int]) -> SamplingParams:
         stop_token_ids=stop_ids or None,
         eos_token_id=eos,
     )
-
-
-# --- prompts ------------------------------------------------------------------------------------
-
-
-def _prompt(prompt: Any, tokenizer: Tokenizer, add_special_tokens: bool) -> tuple[list[int], str]:
-    """The prompt's token ids and its text (what `echo` shows)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one, as the OpenAI client sends it
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise bad_request(
-            f"only one prompt per request is supported, got {len(prompt)}; send them separately",
-            "prompt",
-        )
-    elif isinstance(prompt, list):
-        ids = read_token_ids(prompt, "prompt")
-        text = tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
-    else:
-        raise bad_request(
-            f"'prompt' must be a string or a list of token ids, got {type_name(prompt)}", "prompt"
-        )
-    if not ids:
-        raise bad_request("'prompt' must not be empty", "prompt")
-    return ids, text
 
 
 def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:

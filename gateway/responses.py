@@ -27,6 +27,13 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
 
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+            self.cached_tokens + other.cached_tokens,
+        )
+
     def body(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -73,6 +80,14 @@ def final_body(
     return body
 
 
+def combined_body(bodies: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    """One response of several choices (n, best_of, batch prompts), indexed in order."""
+    body = dict(bodies[0])
+    body["choices"] = [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)]
+    body["usage"] = usage.body()
+    return body
+
+
 def chunk_body(
     meta: Meta,
     text: str,
@@ -82,15 +97,16 @@ def chunk_body(
     prompt_token_ids: list[int] | None = None,
     role: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed piece; chat's first chunk carries the role."""
+    """One streamed piece of choice `index`; chat's first chunk carries the role."""
     if meta.kind == "chat":
         delta: dict[str, Any] = {"role": role, "content": text} if role else {}
         if text and not role:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta}
+        choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
-        choice = {"index": 0, "text": text}
+        choice = {"index": index, "text": text}
     choice.update(logprobs=logprobs, finish_reason=finish_reason)
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason

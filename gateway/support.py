@@ -74,7 +74,9 @@ _SAMPLING: dict[str, FieldSupport] = {
     "use_beam_search": refused("beam search is not served", False),
     "length_penalty": refused("only used by beam search, which is not served", 1.0, 1),
     "watermarking": refused("no watermarking model is served", False),
-    "n": refused("one choice per request", 1),
+    "n": works(
+        "n choices per prompt: child requests with seeds seed+i share the prompt's cached blocks"
+    ),
     "presence_penalty": works("in [-2, 2]: subtracted once from each token the output holds"),
     "frequency_penalty": works("in [-2, 2]: subtracted per occurrence in the output"),
     "repetition_penalty": works("> 0: divides positive logits of prompt and output tokens"),
@@ -104,7 +106,7 @@ _SAMPLING: dict[str, FieldSupport] = {
 
 COMPLETION_FIELDS: dict[str, FieldSupport] = {
     **_SAMPLING,
-    "prompt": works("text or token ids (one prompt per request)"),
+    "prompt": works("text or token ids, or a batch (list) of either: choices prompt by prompt"),
     "echo": works("the prompt's text before the completion"),
     "add_special_tokens": works(
         "add BOS (the tokenizer's special tokens) to a text prompt; default true"
@@ -112,7 +114,10 @@ COMPLETION_FIELDS: dict[str, FieldSupport] = {
     "suffix": refused("fill-in-the-middle is not served (vLLM: FIM models only)"),
     "prompt_embeds": refused("prompt embeddings are not served"),
     # OpenAI's field (vLLM 0.33 dropped it): the best `n` of `best_of` samples.
-    "best_of": refused("not yet served", 1),
+    "best_of": works(
+        "OpenAI's: best_of samples per prompt, the n with the highest mean logprob per token "
+        "returned (vLLM 0.33 has no such field); not with stream"
+    ),
     "logprobs": works(
         "raw logprobs of each token and its top k (k <= 20), in OpenAI's completions shape"
     ),

@@ -44,16 +44,18 @@ class Script:
     swap_pairs: bool = False  # outputs 1, 0, 3, 2, ...: each pair arrives with a gap first
     silent: bool = False  # never answer
     cached_tokens: int = 0
+    vary_by_seed: bool = False  # start the text at offset seed, so that samples differ
 
 
 def generated_ids(req: GenerateRequest, script: Script) -> tuple[list[int], str, int | None]:
     """The whole output of a request: token ids, finish reason, stop token id."""
     text = script.text.encode()
     limit = req.sampling.max_tokens
+    start = (req.sampling.seed or 0) if script.vary_by_seed else 0
     if script.eos_after is not None and script.eos_after < limit:
-        ids = [text[i % len(text)] for i in range(script.eos_after)]
+        ids = [text[(start + i) % len(text)] for i in range(script.eos_after)]
         return [*ids, EOS], "stop", EOS
-    return [text[i % len(text)] for i in range(limit)], "length", None
+    return [text[(start + i) % len(text)] for i in range(limit)], "length", None
 
 
 def outputs_for(req: GenerateRequest, script: Script) -> list[RequestOutput]:
@@ -87,9 +89,10 @@ def _chunked(
     return outs
 
 
-def fake_logprobs(token_id: int, position: int, k: int) -> TokenLogprobs:
-    """A made-up entry in the worker's layout: the chosen token, then k others (rank 1 first)."""
-    chosen = -0.25 * (position % 4 + 1)
+def fake_logprobs(token_id: int, position: int, k: int, seed: int | None = None) -> TokenLogprobs:
+    """A made-up entry in the worker's layout: the chosen token, then k others (rank 1 first).
+    Samples of different seeds differ: seed % 7 lowers every chosen logprob by 0.01 each."""
+    chosen = -0.25 * (position % 4 + 1) - 0.01 * ((seed or 0) % 7)
     top = [t for t in range(65, 65 + k + 1) if t != token_id][:k]
     return TokenLogprobs(
         token_ids=[token_id, *top],
@@ -105,7 +108,7 @@ def _output(
     s = req.sampling
     logprobs = prompt_logprobs = None
     if ids and s.logprobs is not None:
-        logprobs = [fake_logprobs(t, position + i, s.logprobs) for i, t in enumerate(ids)]
+        logprobs = [fake_logprobs(t, position + i, s.logprobs, s.seed) for i, t in enumerate(ids)]
     if ids and position == 0 and s.prompt_logprobs is not None:
         prompt = req.prompt_token_ids
         prompt_logprobs = [fake_logprobs(t, p, s.prompt_logprobs) for p, t in enumerate(prompt)][1:]

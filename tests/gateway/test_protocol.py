@@ -27,7 +27,8 @@ LIMITS = Limits("m", max_model_len=32, vocab_size=258)
 
 
 def completion(**body):
-    return parse_completion(body, TOK, default_max_tokens=16)
+    (job,) = parse_completion(body, TOK, default_max_tokens=16)
+    return job
 
 
 def test_text_prompt_is_tokenized_and_defaults_follow_openai():
@@ -179,7 +180,7 @@ FIELDS = [
 @given(body=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES), chat=st.booleans())
 def test_any_body_is_either_a_valid_wire_request_or_a_4xx_naming_a_field(body, chat):
     try:
-        job = parse_chat(body, TOK) if chat else parse_completion(body, TOK, 16)
+        job = parse_chat(body, TOK) if chat else parse_completion(body, TOK, 16)[-1]
         job = resolve(job, Limits("m", max_model_len=64, vocab_size=258))
         params = sampling_params(job, [257])
     except ApiError as err:
