@@ -65,6 +65,14 @@ class PrefixIndex:
             cached += block_size
         return cached
 
+    def leading_blocks(self, event_hashes: Sequence[int]) -> int:
+        """How many of these chained block hashes (in KV-event form) are cached, from the first."""
+        counts = self.counts
+        for index, event_hash in enumerate(event_hashes):
+            if event_hash not in counts:
+                return index
+        return len(event_hashes)
+
     def __len__(self) -> int:
         return len(self.counts)
 

@@ -1,0 +1,168 @@
+"""Cache-aware routing at scale, by simulation: every policy on the same multi-tenant trace.
+
+The real ledger core of each replica (KVCacheManager + Scheduler) runs in one process under a
+step-time model (kvledger/routing_sim.py); the router is services/routing.py, the same code the
+gateway uses. For 8, 16 and 64 replicas and round_robin, least_loaded, approx, precise and the
+oracle: prefill tokens computed, prefix hit rate, TTFT p50/p99 and output throughput. Then the
+router restart at 8 replicas: the hit rate of the 200 requests routed after a mid-run restart,
+against the same 200 requests in the run without a restart.
+
+The simulation is deterministic (the trace is replayed from its seed and nothing is timed on the
+wall clock), so one run per cell is the figure: repetitions would give identical numbers.
+
+    .venv/bin/python benchmarks/routing.py            # writes benchmarks/results/routing.{json,md,png}
+    .venv/bin/python benchmarks/routing.py --replicas 8 --policies round_robin,precise
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvledger.routing_sim import (
+    SIM_POLICIES,
+    HashedWorkload,
+    RoutingSimulation,
+    SimResult,
+    StepModel,
+)
+from kvledger.routing_workload import WorkloadConfig, multi_tenant_workload
+from ledger.core.hashing import BlockHasher
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def workload_for(replicas: int, args: argparse.Namespace) -> HashedWorkload:
+    config = WorkloadConfig(
+        num_conversations=args.conversations_per_replica * replicas,
+        rate=args.rate_per_replica * replicas,
+        seed=args.seed,
+    )
+    turns = multi_tenant_workload(config)
+    return HashedWorkload(turns, BlockHasher("sha256", seed="kvledger-routing"), 16)
+
+
+def restart_rows(work: HashedWorkload, args: argparse.Namespace) -> list[dict[str, object]]:
+    rows = []
+    middle = len(work.turns) // 2
+    for policy in ("precise", "approx"):
+        steady = RoutingSimulation(work, policy, 8, steps=args.step_model).run()
+        restarted = RoutingSimulation(
+            work, policy, 8, steps=args.step_model, restart_at=middle, restart_window=200
+        ).run()
+        window = restarted.restart_window
+        prompt = {t.request_id: len(t.prompt_token_ids) for t in work.turns}
+        steady_hits = sum(steady.hit_by_request[r] * prompt[r] for r in window)
+        steady_rate = steady_hits / sum(prompt[r] for r in window)
+        after = restarted.restart_window_hit_rate or 0.0
+        rows.append(
+            {
+                "policy": policy,
+                "restart_after_requests": middle,
+                "window": len(window),
+                "steady_hit_rate": round(steady_rate, 4),
+                "after_restart_hit_rate": round(after, 4),
+                "relative_change_pct": round(100 * (after - steady_rate) / steady_rate, 2),
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict[str, object]], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot(results: list[SimResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r.replicas for r in results})
+    policies = [p for p in SIM_POLICIES if any(r.policy == p for r in results)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    metrics = [
+        ("prefill_tokens", "prefill tokens computed"),
+        ("hit_rate", "prefix hit rate"),
+        ("throughput_tok_s", "output tokens / s"),
+    ]
+    width = 0.8 / len(policies)
+    for ax, (key, title) in zip(axes, metrics, strict=True):
+        for k, policy in enumerate(policies):
+            values = [
+                next(r.row()[key] for r in results if r.policy == policy and r.replicas == n)
+                for n in sizes
+            ]
+            ax.bar([i + k * width for i in range(len(sizes))], values, width, label=policy)  # type: ignore[arg-type]
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))])
+        ax.set_xticklabels([f"{n} replicas" for n in sizes])
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", default="8,16,64")
+    parser.add_argument("--policies", default=",".join(SIM_POLICIES))
+    parser.add_argument("--conversations-per-replica", type=int, default=60)
+    parser.add_argument("--rate-per-replica", type=float, default=100.0,
+                        help="conversations per second per replica (saturating by default)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=20261013)
+    parser.add_argument("--prefill-token-ms", type=float, default=0.05)
+    parser.add_argument("--decode-step-ms", type=float, default=8.0)
+    parser.add_argument("--decode-seq-ms", type=float, default=0.1)
+    parser.add_argument("--no-restart", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "routing"))
+    args = parser.parse_args()
+    args.step_model = StepModel(
+        args.decode_step_ms / 1000, args.prefill_token_ms / 1000, args.decode_seq_ms / 1000
+    )
+    results: list[SimResult] = []
+    restart: list[dict[str, object]] = []
+    for replicas in [int(n) for n in args.replicas.split(",")]:
+        work = workload_for(replicas, args)
+        for policy in args.policies.split(","):
+            started = time.perf_counter()
+            result = RoutingSimulation(work, policy, replicas, steps=args.step_model).run()
+            results.append(result)
+            print(f"{policy:>12} x {replicas:>2}: {result.row()}  ({time.perf_counter() - started:.0f} s)",
+                  flush=True)  # fmt: skip
+        if replicas == 8 and not args.no_restart:
+            restart = restart_rows(work, args)
+    rows = [r.row() for r in results]
+    for row, result in zip(rows, results, strict=True):
+        base = next(
+            r for r in results if r.replicas == result.replicas and r.policy == "round_robin"
+        )
+        row["prefill_vs_rr"] = round(result.prefill_tokens / base.prefill_tokens, 3)
+        row["throughput_vs_rr"] = round(result.throughput_tok_s / base.throughput_tok_s, 3)
+    columns = ["replicas", "policy", "requests", "prefill_tokens", "prefill_vs_rr", "hit_rate",
+               "ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "throughput_vs_rr", "preemptions"]  # fmt: skip
+    text = table(rows, columns)
+    if restart:
+        text += "\n\nRouter restart at 8 replicas (next 200 requests vs the same requests, no restart):\n\n"
+        text += table(restart, list(restart[0]))
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "step_model"}
+    out.with_suffix(".json").write_text(
+        json.dumps({"settings": settings, "results": rows, "restart": restart}, indent=2)
+    )
+    out.with_suffix(".md").write_text(
+        f"`.venv/bin/python benchmarks/routing.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
+    )
+    plot(results, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

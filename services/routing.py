@@ -1,0 +1,264 @@
+"""Cache-aware routing across replicas: which replica should serve this prompt.
+
+A replica is one ledger and its workers. Every policy turns each replica into a cost in tokens
+of prefill-equivalent work and picks the cheapest (ties go round robin, so equal replicas share):
+
+    cost = prefix * (prompt tokens the replica must prefill)
+         + running * its running requests + waiting * its waiting requests
+         + kv_usage * its KV usage (0..1)
+
+`round_robin` ignores the cost; `least_loaded` counts load only (every replica must prefill the
+whole prompt); `precise` takes the cached prefix from a `ReplicaPrefixIndex` fed by each
+replica's KV events (llm-d's precise prefix-cache scorer, Dynamo's KV router); `approx` from a
+router-local LRU of the blocks it sent where (llm-d's approximate scorer; it learns nothing
+about evictions and starts empty after a restart); an `oracle` (simulation only) reads each
+ledger's true prefix cache. The prompt's blocks are hashed once, exactly as the ledger will
+(`routable_block_hashes`), and only the blocks the ledger could hit count: never the last token.
+
+A replica whose events fall behind or whose status is old is STALE: scored by load alone, as its
+index may be wrong. One silent for longer is OUT: never chosen until it speaks again.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ledger.core.events import KVEventBatch
+from ledger.core.hashing import BlockHasher, to_event_hash
+from services.subscriber import PrefixIndex
+
+POLICIES = ("round_robin", "least_loaded", "approx", "precise")
+
+
+class NoReplicaError(RuntimeError):
+    """Every replica is out: nothing can serve the request now."""
+
+
+@dataclass(slots=True)
+class RoutingWeights:
+    """Costs in prefill tokens. The defaults: a waiting request is a prefill queued ahead (about
+    half a typical 1-2k prompt); a running one slows every step a little; a full KV cache evicts
+    cached prefixes to make room, which costs about one prompt later."""
+
+    prefix: float = 1.0
+    running: float = 32.0
+    waiting: float = 512.0
+    kv_usage: float = 1024.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefix", "running", "waiting", "kv_usage"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"routing weight {name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """What each ledger publishes about itself."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class ReplicaHealth(enum.Enum):
+    LIVE = "live"
+    STALE = "stale"  # scored by load alone
+    OUT = "out"  # never chosen
+
+
+@dataclass(slots=True)
+class HealthLimits:
+    """Seconds behind (events) or silent (status) after which a replica is STALE, then OUT."""
+
+    stale_after_s: float = 2.0
+    out_after_s: float = 10.0
+
+    def health(self, lag_s: float) -> ReplicaHealth:
+        if lag_s >= self.out_after_s:
+            return ReplicaHealth.OUT
+        if lag_s >= self.stale_after_s:
+            return ReplicaHealth.STALE
+        return ReplicaHealth.LIVE
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    num_tokens: int
+    block_hashes: Sequence[int]  # routable blocks, KV-event form (see routable_block_hashes)
+    block_size: int
+
+
+@dataclass(slots=True)
+class ReplicaScore:
+    replica: str
+    health: ReplicaHealth
+    cached_blocks: int
+    cached_tokens: int
+    load_cost: float
+    cost: float
+
+
+@dataclass(slots=True)
+class RouteDecision:
+    replica: str
+    policy: str
+    scores: list[ReplicaScore] = field(default_factory=list)
+
+    def score_of(self, replica: str) -> ReplicaScore:
+        return next(s for s in self.scores if s.replica == replica)
+
+
+def routable_block_hashes(
+    token_ids: Sequence[int],
+    hasher: BlockHasher,
+    block_size: int,
+    cache_salt: str | None = None,
+    lora: tuple[str, str] | None = None,
+) -> list[int]:
+    """The prompt's blocks a ledger could hit, in KV-event form: the full blocks before the last
+    token (the ledger always recomputes it), hashed with the ledger's algorithm, seed and salt."""
+    limit = (len(token_ids) - 1) // block_size
+    hashes = hasher.hash_blocks(
+        token_ids[: limit * block_size], block_size, cache_salt=cache_salt, lora=lora
+    )
+    return [to_event_hash(h) for h in hashes]
+
+
+class ReplicaPrefixIndex:
+    """Block hash -> replicas, one `PrefixIndex` per replica, fed by that replica's KV events."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, PrefixIndex] = {}
+
+    def apply(self, replica: str, batch: KVEventBatch) -> None:
+        self.replicas.setdefault(replica, PrefixIndex()).apply(batch)
+
+    def load_snapshot(self, replica: str, counts: Mapping[int, int]) -> None:
+        """Replace a replica's view with its ledger's snapshot (hash -> physical blocks)."""
+        index = PrefixIndex()
+        index.counts.update(counts)
+        self.replicas[replica] = index
+
+    def cached_blocks(self, replica: str, block_hashes: Sequence[int]) -> int:
+        index = self.replicas.get(replica)
+        return index.leading_blocks(block_hashes) if index is not None else 0
+
+
+class SentPrefixLRU:
+    """approx: the blocks the router sent to each replica, least recently sent dropped first."""
+
+    def __init__(self, capacity_blocks: int = 65536) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._sent: OrderedDict[tuple[str, int], None] = OrderedDict()
+
+    def record(self, replica: str, block_hashes: Sequence[int]) -> None:
+        sent = self._sent
+        for block_hash in block_hashes:
+            key = (replica, block_hash)
+            sent[key] = None
+            sent.move_to_end(key)
+        while len(sent) > self.capacity_blocks:
+            sent.popitem(last=False)
+
+    def cached_blocks(self, replica: str, block_hashes: Sequence[int]) -> int:
+        for index, block_hash in enumerate(block_hashes):
+            if (replica, block_hash) not in self._sent:
+                return index
+        return len(block_hashes)
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+
+# A replica's cached prefix, in blocks, for the request's routable block hashes.
+PrefixSource = Callable[[str, Sequence[int]], int]
+
+
+class Router:
+    """One policy over a fixed set of replica names; `route` is the whole decision."""
+
+    def __init__(
+        self,
+        policy: str,
+        replicas: Sequence[str],
+        *,
+        weights: RoutingWeights | None = None,
+        prefix_source: PrefixSource | None = None,
+        lru: SentPrefixLRU | None = None,
+        recent_blocks: int = 4096,
+    ) -> None:
+        if not replicas:
+            raise ValueError("routing needs at least one replica")
+        if policy == "approx" and lru is None:
+            lru = SentPrefixLRU()
+        if policy in ("precise", "oracle") and prefix_source is None:
+            raise ValueError(f"the {policy} policy needs a prefix source (the replicas' index)")
+        if policy not in (*POLICIES, "oracle"):
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.replicas = list(replicas)
+        self.weights = weights or RoutingWeights()
+        self.lru = lru
+        self.prefix_source = lru.cached_blocks if lru is not None else prefix_source
+        # precise: the blocks of requests routed but not yet in the events (their prefill has
+        # not run), so a burst of one prompt follows the first copy instead of spreading out
+        # before any event arrives (Dynamo tracks such active blocks too). Small, so it forgets
+        # quickly and the events stay the truth.
+        self.recent = SentPrefixLRU(recent_blocks) if policy == "precise" else None
+        self._next = 0  # round robin, and the tie-break of the cost policies
+
+    def route(
+        self,
+        request: RouteRequest,
+        loads: Mapping[str, ReplicaLoad],
+        health: Mapping[str, ReplicaHealth] | None = None,
+    ) -> RouteDecision:
+        n = len(self.replicas)
+        order = [self.replicas[(self._next + i) % n] for i in range(n)]
+        scores = [self._score(name, request, loads, health) for name in order]
+        candidates = [s for s in scores if s.health is not ReplicaHealth.OUT]
+        if not candidates:
+            raise NoReplicaError(
+                f"no replica can take the request: all {n} are out (their ledgers stopped "
+                "answering or their events fell behind); check `kvledger up` and Redis"
+            )
+        if self.policy == "round_robin":
+            chosen = candidates[0]
+        else:
+            chosen = min(candidates, key=lambda s: s.cost)  # the first of equals: rotating
+        self._next = (self.replicas.index(chosen.replica) + 1) % n
+        for sent in (self.lru, self.recent):
+            if sent is not None:
+                sent.record(chosen.replica, request.block_hashes)
+        return RouteDecision(chosen.replica, self.policy, scores)
+
+    def _score(
+        self,
+        replica: str,
+        request: RouteRequest,
+        loads: Mapping[str, ReplicaLoad],
+        health: Mapping[str, ReplicaHealth] | None,
+    ) -> ReplicaScore:
+        state = health.get(replica, ReplicaHealth.LIVE) if health else ReplicaHealth.LIVE
+        load = loads.get(replica) or ReplicaLoad()
+        w = self.weights
+        load_cost = w.running * load.running + w.waiting * load.waiting + w.kv_usage * load.kv_usage
+        cached_blocks = 0
+        if (
+            self.prefix_source is not None
+            and state is ReplicaHealth.LIVE
+            and self.policy != "least_loaded"
+        ):
+            cached_blocks = self.prefix_source(replica, request.block_hashes)
+            if self.recent is not None:
+                cached_blocks = max(
+                    cached_blocks, self.recent.cached_blocks(replica, request.block_hashes)
+                )
+        cached_tokens = cached_blocks * request.block_size
+        cost = w.prefix * (request.num_tokens - cached_tokens) + load_cost
+        return ReplicaScore(replica, state, cached_blocks, cached_tokens, load_cost, cost)

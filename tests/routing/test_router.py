@@ -1,0 +1,134 @@
+"""The routing core: hashing as the ledger does, the index from KV events, every policy's pick."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger.core.events import KVEventBatch
+from ledger.core.hashing import BlockHasher
+from ledger.core.kv_cache_manager import KVCacheManager
+from ledger.core.request import Request
+from ledger.core.scheduler import Scheduler, SchedulerConfig
+from services.routing import (
+    NoReplicaError,
+    ReplicaHealth,
+    ReplicaLoad,
+    ReplicaPrefixIndex,
+    Router,
+    RouteRequest,
+    RoutingWeights,
+    SentPrefixLRU,
+    routable_block_hashes,
+)
+
+BS = 16
+HASHER = BlockHasher("sha256", seed="test-routing")
+
+
+def serve(tokens: list[int], salt: str | None = None) -> KVEventBatch:
+    """Run one request to the end on a real ledger core; the KV events it published."""
+    manager = KVCacheManager(256, BS, 2048, enable_kv_cache_events=True)
+    scheduler: Scheduler[None] = Scheduler(SchedulerConfig(max_model_len=2048), manager)
+    scheduler.add_request(
+        Request("a", tokens, 1, block_hasher=HASHER, block_size=BS, cache_salt=salt)
+    )
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, {"a": 7})
+    return KVEventBatch(0.0, manager.take_events())
+
+
+def request(tokens: list[int], salt: str | None = None) -> RouteRequest:
+    return RouteRequest(len(tokens), routable_block_hashes(tokens, HASHER, BS, salt), BS)
+
+
+def test_routable_hashes_stop_before_the_last_token_as_the_ledger_does() -> None:
+    assert len(routable_block_hashes(list(range(64)), HASHER, BS)) == 3  # 4 full, last recomputed
+    assert len(routable_block_hashes(list(range(65)), HASHER, BS)) == 4
+    assert routable_block_hashes(list(range(64)), HASHER, BS, "salt") != routable_block_hashes(
+        list(range(64)), HASHER, BS
+    )
+
+
+def test_index_from_real_events_finds_the_prefix_on_its_replica_only() -> None:
+    prompt = list(range(100, 180))  # 5 full blocks
+    index = ReplicaPrefixIndex()
+    index.apply("r1", serve(prompt))
+    follow_up = request(prompt + list(range(40)))
+    assert index.cached_blocks("r1", follow_up.block_hashes) == 5
+    assert index.cached_blocks("r0", follow_up.block_hashes) == 0
+    assert index.cached_blocks("r1", request(list(range(500, 600))).block_hashes) == 0
+    # A salted prompt's blocks differ from the first on: nothing to share.
+    salted = request(prompt + [1], salt="tenant-b")
+    assert index.cached_blocks("r1", salted.block_hashes) == 0
+
+
+def test_precise_picks_the_replica_holding_the_prefix_until_load_outweighs_it() -> None:
+    prompt = list(range(1000, 1000 + 32 * BS))  # 512 tokens
+    index = ReplicaPrefixIndex()
+    index.apply("r2", serve(prompt))
+    router = Router("precise", ["r0", "r1", "r2"], prefix_source=index.cached_blocks)
+    req = request(prompt + [1, 2, 3])
+    idle = {n: ReplicaLoad() for n in ("r0", "r1", "r2")}
+    decision = router.route(req, idle)
+    assert decision.replica == "r2"
+    assert decision.score_of("r2").cached_tokens == 512
+    assert decision.score_of("r0").cached_tokens == 0
+    # Two waiting requests (2 * 512 token-equivalents) cost more than the 512 cached tokens.
+    busy = dict(idle, r2=ReplicaLoad(running=0, waiting=2))
+    fresh = Router("precise", ["r0", "r1", "r2"], prefix_source=index.cached_blocks)
+    assert fresh.route(req, busy).replica != "r2"
+
+
+def test_a_stale_replica_is_scored_by_load_alone_and_an_out_one_never_chosen() -> None:
+    prompt = list(range(64 * BS))
+    index = ReplicaPrefixIndex()
+    index.apply("r1", serve(prompt))
+    router = Router("precise", ["r0", "r1"], prefix_source=index.cached_blocks)
+    loads = {"r0": ReplicaLoad(), "r1": ReplicaLoad()}
+    req = request(prompt + [5])
+    stale = router.route(req, loads, {"r1": ReplicaHealth.STALE})
+    assert stale.score_of("r1").cached_tokens == 0
+    out = router.route(req, loads, {"r1": ReplicaHealth.OUT})
+    assert out.replica == "r0"
+    with pytest.raises(NoReplicaError, match="all 2 are out"):
+        router.route(req, loads, {"r0": ReplicaHealth.OUT, "r1": ReplicaHealth.OUT})
+
+
+def test_round_robin_cycles_and_least_loaded_avoids_the_queue() -> None:
+    names = ["r0", "r1", "r2"]
+    req = request(list(range(40)))
+    loads = {n: ReplicaLoad() for n in names}
+    rr = Router("round_robin", names)
+    assert [rr.route(req, loads).replica for _ in range(4)] == ["r0", "r1", "r2", "r0"]
+    ll = Router("least_loaded", names)
+    loads = {
+        "r0": ReplicaLoad(4, 2, 0.5),
+        "r1": ReplicaLoad(1, 0, 0.1),
+        "r2": ReplicaLoad(2, 0, 0.1),
+    }
+    assert ll.route(req, loads).replica == "r1"
+
+
+def test_approx_remembers_what_it_sent_and_forgets_the_oldest() -> None:
+    names = ["r0", "r1", "r2"]
+    loads = {n: ReplicaLoad() for n in names}
+    approx = Router("approx", names)
+    first = request(list(range(10_000, 10_000 + 20 * BS)))
+    chosen = approx.route(first, loads).replica
+    assert all(approx.route(first, loads).replica == chosen for _ in range(5))
+    lru = SentPrefixLRU(capacity_blocks=4)
+    lru.record("r0", [1, 2, 3])
+    lru.record("r1", [7, 8])
+    assert lru.cached_blocks("r0", [1, 2, 3]) == 0  # block 1 went first
+    assert lru.cached_blocks("r1", [7, 8, 9]) == 2
+
+
+def test_bad_settings_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="routing policy must be one of"):
+        Router("random", ["r0"])
+    with pytest.raises(ValueError, match="needs a prefix source"):
+        Router("precise", ["r0"])
+    with pytest.raises(ValueError, match="routing weight waiting"):
+        RoutingWeights(waiting=-1)
+    with pytest.raises(ValueError, match="at least one replica"):
+        Router("round_robin", [])

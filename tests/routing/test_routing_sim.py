@@ -1,0 +1,63 @@
+"""The at-scale simulation on a small trace: the real ledger cores, every policy, a restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.routing_sim import HashedWorkload, RoutingSimulation
+from kvledger.routing_workload import WorkloadConfig, multi_tenant_workload
+from ledger.core.hashing import BlockHasher
+
+CONFIG = WorkloadConfig(num_conversations=90, rate=300.0, num_system_prompts=8, seed=7)
+
+
+@pytest.fixture(scope="module")
+def work() -> HashedWorkload:
+    return HashedWorkload(multi_tenant_workload(CONFIG), BlockHasher("sha256", seed="t"), 16)
+
+
+def test_the_workload_replays_from_its_seed_and_follow_ups_extend_their_conversation() -> None:
+    a, b = multi_tenant_workload(CONFIG), multi_tenant_workload(CONFIG)
+    assert a == b
+    follow_ups = [t for t in a if t.previous is not None]
+    assert follow_ups
+    for turn in follow_ups:
+        before = a[turn.previous]  # type: ignore[index]
+        history = before.prompt_token_ids + before.output_token_ids
+        assert turn.prompt_token_ids[: len(history)] == history
+
+
+@pytest.fixture(scope="module")
+def results(work: HashedWorkload) -> dict:
+    return {
+        p: RoutingSimulation(work, p, 4).run()
+        for p in ("round_robin", "least_loaded", "approx", "precise", "oracle")
+    }
+
+
+def test_every_request_finishes_and_every_output_token_is_counted(results: dict, work) -> None:
+    outputs = sum(t.max_tokens for t in work.turns)
+    for result in results.values():
+        assert result.requests == len(work.turns)
+        assert result.output_tokens == outputs
+        assert len(result.hit_by_request) == len(work.turns)
+
+
+def test_cache_aware_policies_prefill_less_than_round_robin(results: dict) -> None:
+    rr = results["round_robin"]
+    for policy in ("approx", "precise", "oracle"):
+        assert results[policy].prefill_tokens < 0.8 * rr.prefill_tokens, policy
+        assert results[policy].hit_rate > rr.hit_rate + 0.05, policy
+    # The events tell precise what the oracle sees, one step late.
+    assert results["precise"].hit_rate >= 0.95 * results["oracle"].hit_rate
+
+
+def test_a_restarted_precise_router_resumes_and_approx_starts_empty(work) -> None:
+    middle = len(work.turns) // 2
+    precise = RoutingSimulation(work, "precise", 4, restart_at=middle, restart_window=60).run()
+    approx = RoutingSimulation(work, "approx", 4, restart_at=middle, restart_window=60).run()
+    assert len(precise.restart_window) == 60
+    assert (
+        precise.restart_window_hit_rate is not None and approx.restart_window_hit_rate is not None
+    )
+    assert precise.restart_window_hit_rate > approx.restart_window_hit_rate
