@@ -41,6 +41,7 @@ COPY README.md ./
 COPY services ./services
 COPY ledger ./ledger
 COPY gateway ./gateway
+COPY indexer ./indexer
 COPY gpu_worker ./gpu_worker
 COPY kernels ./kernels
 COPY observability ./observability

@@ -2,6 +2,7 @@
 
 kvledger up          everything on this machine (private Redis, ledger, worker, gateway)
 kvledger ledger|worker|gateway   one service (Docker, or your own process manager)
+kvledger indexer     the replicas' KV events as a score service for external routers
 kvledger hash        block hashes of a token list, as the ledger and its KV events see them
 kvledger capacity    the KV cache capacity line (or the refusal) for a model and a budget
 kvledger simulate    the real ledger on the paged-allocator blog's workload
@@ -14,7 +15,14 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from services.config import GatewayConfig, LedgerConfig, WorkerConfig, add_arguments, from_arguments
+from services.config import (
+    GatewayConfig,
+    IndexerConfig,
+    LedgerConfig,
+    WorkerConfig,
+    add_arguments,
+    from_arguments,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         ("ledger", LedgerConfig, "run the ledger service (scheduler, block pool, KV events)"),
         ("worker", WorkerConfig, "run a worker (model, KV cache tensors, paged attention)"),
         ("gateway", GatewayConfig, "run the OpenAI-compatible HTTP gateway"),
+        ("indexer", IndexerConfig, "serve each replica's cached prefix of a prompt (POST /score)"),
     ):
         p = sub.add_parser(name, help=helptext, description=helptext)
         add_arguments(p, cls)
@@ -59,7 +68,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def _service_main(
-    name: str, cls: type[LedgerConfig | WorkerConfig | GatewayConfig]
+    name: str, cls: type[LedgerConfig | WorkerConfig | GatewayConfig | IndexerConfig]
 ) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         from services.config import ConfigError
@@ -73,6 +82,8 @@ def _service_main(
             return run_ledger(config)
         if isinstance(config, WorkerConfig):
             return run_worker(config)
+        if isinstance(config, IndexerConfig):
+            return run_indexer(config)
         return run_gateway(config)
 
     return run
@@ -167,6 +178,28 @@ def run_gateway(config: GatewayConfig) -> int:
     setup_observability("gateway", config)
     try:
         asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown_tracing()
+    return 0
+
+
+def run_indexer(config: IndexerConfig) -> int:
+    import asyncio
+
+    from indexer import serve
+    from kvledger.runtime import require_redis_url, setup_observability
+    from observability import shutdown_tracing
+    from services.config import ConfigError
+
+    require_redis_url(config, "indexer")
+    setup_observability("indexer", config)
+    try:
+        asyncio.run(serve(config))
+    except ConfigError as exc:
+        print(f"kvledger indexer: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
     finally:

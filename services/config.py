@@ -349,6 +349,31 @@ class GatewayConfig(CommonConfig, EngineShape):
         return env("KVLEDGER_API_KEY")
 
 
+@dataclass
+class IndexerConfig(CommonConfig):
+    host: str = _opt(None, "127.0.0.1", "bind address")
+    port: int = _opt(None, 8300, "port", int)
+    model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")
+    replicas: str = _opt(
+        None,
+        "default",
+        "replicas to follow, comma-separated: NAME or NAME=PREFIX ('default' is the replica "
+        "under the stream prefix)",
+    )
+    checkpoint_dir: str | None = _opt(
+        None, None, "folder of per-replica checkpoints to resume from after a restart"
+    )
+    stale_after_s: float = _opt(
+        None, 2.0, "seconds behind (events or status) before a replica is stale", float
+    )
+    out_after_s: float = _opt(
+        None, 10.0, "seconds behind (events or status) before a replica is out", float
+    )
+    max_body_bytes: int = _opt(
+        None, 4 * 1024 * 1024, "largest request body accepted (413 above)", int
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One --flag per field; its help shows the built-in default and the environment variable
     (the flag beats the variable, which beats the default)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 from collections import Counter
@@ -24,12 +25,15 @@ from ledger.core.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventDecodeError,
     KVEventBatch,
     decode_batch,
 )
 from ledger.core.hashing import BlockHasher, to_event_hash
 from services.config import StreamNames
 from services.transport import connect, read_from
+
+log = logging.getLogger(__name__)
 
 
 class PrefixIndex:
@@ -87,6 +91,7 @@ class KVEventSubscriber:
         self.index = PrefixIndex()
         self.last_id: str = "0-0"
         self.batches_applied = 0
+        self.skipped = 0  # entries that were not a KV event batch
         self.bootstraps = 0
 
     async def start(self, mode: str = "snapshot") -> None:
@@ -139,8 +144,21 @@ class KVEventSubscriber:
             self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
         )
         for entry_id, fields in entries:
-            self.index.apply(decode_batch(fields[b"batch"]))
             self.last_id = entry_id.decode()
+            try:
+                batch = decode_batch(fields[b"batch"])
+            except (KeyError, EventDecodeError) as exc:
+                # The stream is the ledger's: a reader cannot dead-letter or fix an entry, only
+                # step over it. The index stays right unless the entry held real events.
+                self.skipped += 1
+                log.warning(
+                    "kv_event_entry_skipped stream=%s id=%s error=%s",
+                    self.streams.events,
+                    self.last_id,
+                    "field 'batch' missing" if isinstance(exc, KeyError) else exc,
+                )
+                continue
+            self.index.apply(batch)
             self.batches_applied += 1
         if entries:
             self._save()

@@ -1,0 +1,158 @@
+"""The indexer's HTTP side: `POST /score` and `GET /health` over a `ReplicaSet`.
+
+It answers what llm-d's KV-cache indexer answers, from kvledger's own events: for a prompt (token
+ids, or text it tokenizes with the model's tokenizer) and its cache salt, how many leading blocks
+and tokens each replica holds, hashed exactly as that replica's ledger hashes (its block size and
+algorithm, from its status key; NONE_HASH from PYTHONHASHSEED). Only the blocks a ledger could
+hit count, never the prompt's last token, which a ledger always computes. Each replica's health
+comes with its score: `stale` (its events or status are behind, the count may be old) or `out`
+(its ledger stopped answering): routers should weigh or drop those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from indexer.score import ScoreRequestError, read_score_request
+from observability import get_logger
+from services import transport
+from services.config import ConfigError, IndexerConfig
+from services.replicas import ReplicaSet, parse_replicas
+from services.routing import HealthLimits, ReplicaHealth
+from services.tokenizer import Tokenizer, load_tokenizer
+
+log = get_logger("indexer")
+
+REPLICAS = web.AppKey("replicas", ReplicaSet)
+TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(config: IndexerConfig, redis: aioredis.Redis | None = None) -> web.Application:
+    """The indexer as an aiohttp application; `redis` given here stays open when it stops."""
+    if redis is None and not config.redis_url:
+        raise ConfigError("the indexer needs Redis: set --redis-url or KVLEDGER_REDIS_URL")
+    try:
+        replicas = parse_replicas(config.replicas, config.stream_prefix)
+        limits = HealthLimits(config.stale_after_s, config.out_after_s)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    client = redis if redis is not None else transport.connect(str(config.redis_url))
+    replica_set = ReplicaSet(client, replicas, checkpoint_dir=config.checkpoint_dir, limits=limits)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
+    app[REPLICAS] = replica_set
+    app[TOKENIZER] = load_tokenizer(config.model)
+
+    async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        await replica_set.start()
+        yield
+        await replica_set.stop()
+        if redis is None:
+            await client.aclose()
+
+    app.cleanup_ctx.append(lifetime)
+    app.router.add_post("/score", score)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def score(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as exc:
+        raise _bad_request(f"body: not JSON ({exc.msg} at character {exc.pos})") from None
+    try:
+        wanted = read_score_request(body, request.app[TOKENIZER])
+    except ScoreRequestError as exc:
+        raise _bad_request(str(exc)) from None
+    replicas = request.app[REPLICAS]
+    scores: dict[str, dict] = {}
+    tokens: dict[str, int] = {}
+    for name in replicas.names:
+        health = replicas.health(name)
+        hashes = replicas.block_hashes(name, wanted.token_ids, wanted.cache_salt)
+        status = replicas.replicas[name].status
+        cached = replicas.cached_blocks(name, hashes) if hashes is not None else 0
+        block_size = status.block_size if status is not None else None
+        cached_tokens = cached * block_size if block_size else 0
+        scores[name] = {
+            "cached_blocks": cached,
+            "cached_tokens": cached_tokens,
+            "block_size": block_size,
+            "health": health.value,
+        }
+        if health is not ReplicaHealth.OUT:
+            tokens[name] = cached_tokens
+    best = max(tokens, key=lambda n: tokens[n], default=None)
+    return web.json_response(
+        {"num_tokens": len(wanted.token_ids), "best": best, "replicas": scores}
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while at least one replica is live, 503 otherwise; each replica's view either way."""
+    replicas = request.app[REPLICAS]
+    report = {}
+    for name, state in replicas.replicas.items():
+        sub = state.subscriber
+        report[name] = {
+            "health": replicas.health(name).value,
+            "stream_prefix": state.streams.prefix,
+            "last_id": sub.last_id,
+            "cached_hashes": len(sub.index),
+            "batches_applied": sub.batches_applied,
+            "entries_skipped": sub.skipped,
+            "bootstraps": sub.bootstraps,
+            "ledger": state.status is not None,
+            "errors": state.errors,
+            "last_error": state.last_error,
+        }
+    ok = any(r["health"] == ReplicaHealth.LIVE.value for r in report.values())
+    return web.json_response(
+        {"status": "ok" if ok else "unavailable", "replicas": report}, status=200 if ok else 503
+    )
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error as OpenAI-style JSON, as the gateway answers: a client reads one shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json":
+            raise
+        return _error(exc.status, exc.text or exc.reason)
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(
+        text=json.dumps({"error": {"message": message, "type": "invalid_request_error"}}),
+        content_type="application/json",
+    )
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "internal_error"
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+async def serve(config: IndexerConfig) -> None:
+    """Run the indexer until SIGINT/SIGTERM."""
+    runner = web.AppRunner(create_app(config), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        log.info("indexer_listening", host=config.host, port=config.port, replicas=config.replicas)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,52 @@
+"""The /score request: a prompt (text or token ids) and its cache salt, read field by field so
+that every refusal names the field, as the gateway's are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.tokenizer import Tokenizer
+
+FIELDS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+class ScoreRequestError(ValueError):
+    """A /score body that cannot be scored; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    token_ids: list[int]
+    cache_salt: str | None
+
+
+def read_score_request(body: Any, tokenizer: Tokenizer) -> ScoreRequest:
+    if not isinstance(body, dict):
+        raise ScoreRequestError("body: must be a JSON object with 'prompt' or 'prompt_token_ids'")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise ScoreRequestError(f"{unknown[0]}: unknown field (/score takes {', '.join(FIELDS)})")
+    if ("prompt" in body) == ("prompt_token_ids" in body):
+        raise ScoreRequestError(
+            "prompt: give exactly one of 'prompt' (text) and 'prompt_token_ids' (token ids)"
+        )
+    if "prompt" in body:
+        text = body["prompt"]
+        if not isinstance(text, str) or not text:
+            raise ScoreRequestError("prompt: must be a non-empty string")
+        # As the gateway's completions encode a text prompt: with the tokenizer's BOS.
+        token_ids = tokenizer.encode(text, add_special_tokens=True)
+    else:
+        token_ids = body["prompt_token_ids"]
+        if not isinstance(token_ids, list) or not token_ids:
+            raise ScoreRequestError("prompt_token_ids: must be a non-empty list of token ids")
+        for index, token in enumerate(token_ids):
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ScoreRequestError(
+                    f"prompt_token_ids[{index}]: must be a non-negative integer, got {token!r}"
+                )
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ScoreRequestError("cache_salt: must be a non-empty string (or absent)")
+    return ScoreRequest(token_ids, salt)

@@ -1,0 +1,168 @@
+"""`kvledger indexer` over two real replicas (ledger + worker each, one redis-server): /score
+reports the prefix each ledger really holds, refuses bad fields by name, survives a poison event
+entry, resumes from its checkpoints, and marks a replica whose ledger died as out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from indexer import create_app
+from indexer.app import REPLICAS
+from ledger.core.hashing import BlockHasher
+from services.config import IndexerConfig
+from services.tokenizer import load_tokenizer
+from tests.services.stack import Stack
+from tests.services.test_ledger_service import prompts
+
+
+def ledger_hit_blocks(stack: Stack, prompt: list[int], cache_salt: str | None = None) -> int:
+    """The ledger's own answer: leading routable blocks of the prompt in its prefix cache."""
+    assert stack.ledger is not None
+    pool = stack.ledger.manager.block_pool
+    routable = prompt[: (len(prompt) - 1) // 16 * 16]
+    hits = 0
+    for block_hash in BlockHasher("sha256").hash_blocks(routable, 16, cache_salt=cache_salt):
+        if pool.get_cached_block(block_hash) is None:
+            break
+        hits += 1
+    return hits
+
+
+@contextlib.asynccontextmanager
+async def indexer_on(url: str, replicas: str, **settings) -> AsyncIterator[TestClient]:
+    config = IndexerConfig(redis_url=url, replicas=replicas, **settings)
+    client = TestClient(TestServer(create_app(config)))
+    await client.start_server()
+    try:
+        await client.app[REPLICAS].wait_caught_up()
+        yield client
+    finally:
+        await client.close()
+
+
+async def scores(client: TestClient, body: dict) -> dict:
+    await client.app[REPLICAS].wait_caught_up()
+    response = await client.post("/score", json=body)
+    assert response.status == 200, await response.text()
+    return await response.json()
+
+
+async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
+    redis_url, tiny_model, tmp_path
+):
+    a = await Stack(redis_url, tiny_model, num_blocks=64, max_model_len=200).start()
+    b = await Stack(redis_url, tiny_model, num_blocks=64, max_model_len=200).start()
+    try:
+        long_prompt = prompts(1, 90, seed=41)[0]
+        text = "You are a careful assistant. " * 3 + "Say hello."
+        text_ids = load_tokenizer("default").encode(text, add_special_tokens=True)
+        await a.submit("long", long_prompt, 4)
+        await b.submit("text", text_ids, 4)
+        await a.wait(["long"], timeout=120)
+        await b.wait(["text"], timeout=120)
+        replicas = f"a={a.prefix},b={b.prefix}"
+
+        async with indexer_on(redis_url, replicas, checkpoint_dir=str(tmp_path)) as client:
+            got = await scores(client, {"prompt_token_ids": long_prompt})
+            assert got["num_tokens"] == 90
+            assert got["replicas"]["a"] == {
+                "cached_blocks": ledger_hit_blocks(a, long_prompt),
+                "cached_tokens": 16 * ledger_hit_blocks(a, long_prompt),
+                "block_size": 16,
+                "health": "live",
+            }
+            assert got["replicas"]["a"]["cached_blocks"] == 5  # (90 - 1) // 16 blocks
+            assert got["replicas"]["b"]["cached_blocks"] == 0
+            assert got["best"] == "a"
+
+            by_text = await scores(client, {"prompt": text})
+            assert by_text["num_tokens"] == len(text_ids)
+            assert by_text["replicas"]["b"]["cached_blocks"] == ledger_hit_blocks(b, text_ids) > 0
+            assert by_text["replicas"]["a"]["cached_blocks"] == 0
+            assert by_text["best"] == "b"
+
+            salted = await scores(client, {"prompt_token_ids": long_prompt, "cache_salt": "t1"})
+            assert salted["replicas"]["a"]["cached_blocks"] == 0  # another tenant's cache
+
+            for body, field in (
+                ({"prompt_token_ids": [1, "x"]}, "prompt_token_ids[1]"),
+                ({"prompt_token_ids": []}, "prompt_token_ids"),
+                ({"prompt": 7}, "prompt"),
+                ({"prompt": "hi", "prompt_token_ids": [1]}, "prompt"),
+                ({}, "prompt"),
+                ({"prompt": "hi", "cache_salt": 3}, "cache_salt"),
+                ({"prompt": "hi", "model": "x"}, "model"),
+                ([1, 2], "body"),
+            ):
+                response = await client.post("/score", json=body)
+                assert response.status == 400, body
+                message = (await response.json())["error"]["message"]
+                assert message.startswith(f"{field}:"), (body, message)
+            response = await client.post("/score", data=b"{not json")
+            assert response.status == 400
+            assert (await response.json())["error"]["message"].startswith("body:")
+
+            # A poison entry in a ledger's events stream is stepped over; later events count.
+            await a.r.xadd(a.streams.events, {b"batch": b"\xc1not msgpack"})
+            await a.r.xadd(a.streams.events, {b"other": b"x"})
+            await a.submit("more", prompts(1, 70, seed=42)[0], 4)
+            await a.wait(["more"], timeout=120)
+            more = await scores(client, {"prompt_token_ids": prompts(1, 70, seed=42)[0]})
+            assert more["replicas"]["a"]["cached_blocks"] == 4
+            health = await client.get("/health")
+            assert health.status == 200
+            report = (await health.json())["replicas"]
+            assert report["a"]["entries_skipped"] == 2 and report["a"]["health"] == "live"
+            assert report["a"]["bootstraps"] == 1
+
+        # Restarted with the same checkpoints: resumed, not rebuilt, with the same answer.
+        async with indexer_on(redis_url, replicas, checkpoint_dir=str(tmp_path)) as client:
+            again = await scores(client, {"prompt_token_ids": long_prompt})
+            assert again["replicas"]["a"]["cached_blocks"] == 5
+            report = (await (await client.get("/health")).json())["replicas"]
+            assert report["a"]["bootstraps"] == 0 and report["b"]["bootstraps"] == 0
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_replica_whose_ledger_dies_goes_out_and_health_follows(redis_url, tiny_model):
+    a = await Stack(redis_url, tiny_model, num_blocks=32, max_model_len=160).start()
+    try:
+        async with indexer_on(
+            redis_url, f"a={a.prefix},ghost=nobody", stale_after_s=1.5, out_after_s=3.0
+        ) as client:
+            first = await client.get("/health")
+            assert first.status == 200
+            report = (await first.json())["replicas"]
+            assert report["a"]["health"] == "live"
+            assert report["ghost"]["health"] == "out" and report["ghost"]["ledger"] is False
+            got = await scores(client, {"prompt_token_ids": [1] * 40})
+            assert got["replicas"]["ghost"] == {
+                "cached_blocks": 0,
+                "cached_tokens": 0,
+                "block_size": None,
+                "health": "out",
+            }
+
+            ledger = a.tasks[0]  # the ledger stops: its status is written no more
+            ledger.cancel()
+            await asyncio.gather(ledger, return_exceptions=True)
+            seen = []
+            for _ in range(200):
+                response = await client.get("/health")
+                state = (await response.json())["replicas"]["a"]["health"]
+                if not seen or seen[-1] != state:
+                    seen.append(state)
+                if state == "out":
+                    break
+                await asyncio.sleep(0.05)
+            assert seen == ["live", "stale", "out"] and response.status == 503
+            got = await scores(client, {"prompt_token_ids": [1] * 40})
+            assert got["best"] is None
+    finally:
+        await a.stop()
