@@ -71,7 +71,7 @@ class WorkerService:
         with contextlib.suppress(aioredis.ResponseError):
             await self.r.xgroup_destroy(self.steps_stream, self.reader.group)
         await self.reader.ensure_groups("$")
-        await registry.register(self.r, self.cfg.stream_prefix, self.hello, self.cfg.ttl_s)
+        await registry.register(self.r, self.cfg.streams, self.hello, self.cfg.ttl_s)
         log.info(
             "worker_registered",
             worker_id=self.worker_id,
@@ -88,12 +88,12 @@ class WorkerService:
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
             with contextlib.suppress(aioredis.RedisError):
-                await registry.unregister(self.r, self.cfg.stream_prefix, self.hello)
+                await registry.unregister(self.r, self.cfg.streams, self.hello)
 
     async def _heartbeat(self) -> None:
         while True:
             try:
-                await registry.register(self.r, self.cfg.stream_prefix, self.hello, self.cfg.ttl_s)
+                await registry.register(self.r, self.cfg.streams, self.hello, self.cfg.ttl_s)
             except aioredis.RedisError as exc:
                 log.warning("heartbeat_failed", error=str(exc))
             await asyncio.sleep(self.cfg.heartbeat_s)

@@ -74,6 +74,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--stream-prefix", default=None, help="key prefix (env KVLEDGER_STREAM_PREFIX, default kvl)"
     )
     p.add_argument(
+        "--replica", default=None, help="replica to follow (env KVLEDGER_REPLICA, default default)"
+    )
+    p.add_argument(
         "--from",
         dest="start",
         default="snapshot",
@@ -159,5 +162,6 @@ def cmd_events(args: argparse.Namespace) -> int:
         return 2
     prefix = args.stream_prefix or env("KVLEDGER_STREAM_PREFIX") or "kvl"
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(print_events(url, prefix, args.start, args.count))
+        replica = args.replica or env("KVLEDGER_REPLICA") or "default"
+        asyncio.run(print_events(url, prefix, args.start, args.count, replica))
     return 0

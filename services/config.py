@@ -17,6 +17,7 @@ C = TypeVar("C")
 
 ENV_VARS: dict[str, str] = {
     "KVLEDGER_REDIS_URL": "Redis URL shared by every service (default: a private redis-server)",
+    "KVLEDGER_REPLICA": "this replica's name, a hash tag in its keys (default default)",
     "KVLEDGER_STREAM_PREFIX": "prefix of every Redis key kvledger uses (default kvl)",
     "KVLEDGER_LOG_LEVEL": "log level: debug, info, warning, error (default info)",
     "KVLEDGER_LOG_FORMAT": "json or console (default: console on a terminal, else json)",
@@ -103,39 +104,50 @@ def parse_bytes(text: str | int) -> int:
 
 @dataclass(slots=True)
 class StreamNames:
-    """Every Redis key kvledger uses, under one prefix."""
+    """Every Redis key of one replica (a ledger and its workers): `{prefix}:{{{replica}}}:...`.
+    The replica's name is a hash tag, so all of one replica's keys live in one slot of a Redis
+    Cluster (multi-stream reads and pipelines need that) and replicas spread over the masters."""
 
     prefix: str = "kvl"
+    replica: str = "default"
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{{self.replica}}}"
 
     @property
     def requests(self) -> str:
-        return f"{self.prefix}:requests"
+        return f"{self.base}:requests"
 
     @property
     def results(self) -> str:
-        return f"{self.prefix}:results"
+        return f"{self.base}:results"
 
     @property
     def events(self) -> str:
-        return f"{self.prefix}:kv-events"
+        return f"{self.base}:kv-events"
 
     @property
     def events_snapshot(self) -> str:
-        return f"{self.prefix}:kv-events:snapshot"
+        return f"{self.base}:kv-events:snapshot"
 
     @property
     def dead_letters(self) -> str:
-        return f"{self.prefix}:dead-letters"
+        return f"{self.base}:dead-letters"
 
     @property
     def ledger_status(self) -> str:
-        return f"{self.prefix}:ledger:status"
+        return f"{self.base}:ledger:status"
 
     def steps(self, group: str) -> str:
-        return f"{self.prefix}:steps:{group}"
+        return f"{self.base}:steps:{group}"
 
     def outputs(self, gateway_id: str) -> str:
-        return f"{self.prefix}:outputs:{gateway_id}"
+        return f"{self.base}:outputs:{gateway_id}"
+
+    def worker(self, group: str, worker_id: str) -> str:
+        """A worker's registration key (`*` as worker_id: the pattern of the group's keys)."""
+        return f"{self.base}:workers:{group}:{worker_id}"
 
 
 @dataclass
@@ -149,6 +161,14 @@ class CommonConfig:
             "env": "KVLEDGER_STREAM_PREFIX",
             "help": "prefix of every Redis key",
             "parse": None,
+        },
+    )
+    replica: str = field(
+        default="default",
+        metadata={
+            "env": "KVLEDGER_REPLICA",
+            "help": "name of this replica (a ledger and its workers); a hash tag in every key",
+            "parse": lambda text: _replica_name(text),
         },
     )
     log_level: str = field(
@@ -170,7 +190,7 @@ class CommonConfig:
 
     @property
     def streams(self) -> StreamNames:
-        return StreamNames(self.stream_prefix)
+        return StreamNames(self.stream_prefix, self.replica)
 
 
 def _opt(
@@ -185,6 +205,13 @@ def _opt(
     return field(
         default=default, metadata={"env": env_name, "help": help, "parse": parse, "flags": flags}
     )
+
+
+def _replica_name(text: str) -> str:
+    name = text.strip()
+    if not name or any(c in name for c in "{}:*?[] "):
+        raise ValueError(f"{text!r}: a replica name is non-empty, without {{}}:*?[] or spaces")
+    return name
 
 
 def _choice(text: str, allowed: tuple[str, ...]) -> str:
@@ -357,8 +384,7 @@ class IndexerConfig(CommonConfig):
     replicas: str = _opt(
         None,
         "default",
-        "replicas to follow, comma-separated: NAME or NAME=PREFIX ('default' is the replica "
-        "under the stream prefix)",
+        "names of the replicas to follow, comma-separated (each ledger's --replica)",
     )
     checkpoint_dir: str | None = _opt(
         None, None, "folder of per-replica checkpoints to resume from after a restart"

@@ -36,20 +36,17 @@ RETRY_S = 0.5
 
 
 def parse_replicas(text: str, prefix: str) -> list[tuple[str, StreamNames]]:
-    """'default' (the replica under the stream prefix), 'NAME' (keys under prefix NAME) or
-    'NAME=PREFIX', comma-separated, into (name, its keys)."""
+    """Comma-separated replica names into (name, its keys under the stream prefix)."""
     replicas: list[tuple[str, StreamNames]] = []
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
-        name, _, own_prefix = item.partition("=")
-        name = name.strip()
-        if not name:
-            raise ValueError(f"replicas: {item!r} has no name; use NAME or NAME=PREFIX")
+        name = item
+        if any(c in name for c in "{}:*?[] "):
+            raise ValueError(f"replicas: {name!r} is not a replica name (no {{}}:*?[] or spaces)")
         if any(name == seen for seen, _ in replicas):
             raise ValueError(f"replicas: {name!r} is given twice")
-        key_prefix = own_prefix.strip() or (prefix if name == "default" else name)
-        replicas.append((name, StreamNames(key_prefix)))
+        replicas.append((name, StreamNames(prefix, name)))
     if not replicas:
         raise ValueError("replicas: give at least one replica name, e.g. 'default'")
     return replicas
@@ -104,7 +101,10 @@ class ReplicaSet:
                 name,
                 streams,
                 KVEventSubscriber(
-                    r, streams.prefix, checkpoint=folder / f"{name}.json" if folder else None
+                    r,
+                    streams.prefix,
+                    checkpoint=folder / f"{name}.json" if folder else None,
+                    replica=streams.replica,
                 ),
             )
             for name, streams in replicas

@@ -83,10 +83,14 @@ class PrefixIndex:
 
 class KVEventSubscriber:
     def __init__(
-        self, r: aioredis.Redis, prefix: str = "kvl", checkpoint: str | Path | None = None
+        self,
+        r: aioredis.Redis,
+        prefix: str = "kvl",
+        checkpoint: str | Path | None = None,
+        replica: str = "default",
     ) -> None:
         self.r = r
-        self.streams = StreamNames(prefix)
+        self.streams = StreamNames(prefix, replica)
         self.checkpoint = Path(checkpoint) if checkpoint else None
         self.index = PrefixIndex()
         self.last_id: str = "0-0"
@@ -183,11 +187,13 @@ def _id_tuple(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-async def print_events(url: str, prefix: str, start: str, count: int) -> None:
+async def print_events(
+    url: str, prefix: str, start: str, count: int, replica: str = "default"
+) -> None:
     """`kvledger events`: one line per event, as they arrive."""
     r = connect(url)
     try:
-        sub = KVEventSubscriber(r, prefix)
+        sub = KVEventSubscriber(r, prefix, replica=replica)
         if start == "snapshot":
             await sub.bootstrap()
             print(

@@ -141,7 +141,7 @@ class LedgerService:
     async def _wait_for_workers(self) -> list[WorkerHello]:
         announced = 0.0
         while not self.stopping.is_set():
-            workers = await registry.live_workers(self.r, self.cfg.stream_prefix, self.cfg.group)
+            workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
             if len(workers) >= self.cfg.num_workers:
                 self.workers = workers
                 return list(workers.values())
@@ -285,7 +285,7 @@ class LedgerService:
         self.telemetry.on_schedule(out, self.manager)
         await self._publish_events(self.manager.take_events())
         self.manager.reset_prefix_cache()
-        self.workers = await registry.live_workers(self.r, self.cfg.stream_prefix, self.cfg.group)
+        self.workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
         self.workers = {
             w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks
         }
@@ -421,7 +421,7 @@ class LedgerService:
 
     async def _status_loop(self) -> None:
         while True:
-            live = await registry.live_workers(self.r, self.cfg.stream_prefix, self.cfg.group)
+            live = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
             lost, joined = membership_changes(self.workers, live, self.num_gpu_blocks)
             if (lost or joined) and not self.membership_changed:
                 # A fresh worker holds none of the cached data, a lost one took its share.

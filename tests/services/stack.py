@@ -55,16 +55,20 @@ class Stack:
         num_blocks: int = 64,
         block_size: int = 16,
         max_model_len: int = 256,
+        prefix: str | None = None,
+        replica: str = "default",
         **ledger_kwargs,
     ) -> None:
         self.url = url
         self.model = model
-        self.prefix = f"t{uuid.uuid4().hex[:8]}"
+        self.prefix = prefix or f"t{uuid.uuid4().hex[:8]}"
+        self.replica = replica
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ledger_cfg = LedgerConfig(
             redis_url=url,
             stream_prefix=self.prefix,
+            replica=replica,
             block_size=block_size,
             max_model_len=max_model_len,
             metrics_port=0,
@@ -117,6 +121,7 @@ class Stack:
         cfg = WorkerConfig(
             redis_url=self.url,
             stream_prefix=self.prefix,
+            replica=self.replica,
             worker_id=worker_id,
             block_size=self.block_size,
             heartbeat_s=0.3,

@@ -33,8 +33,8 @@ def ledger_hit_blocks(stack: Stack, prompt: list[int], cache_salt: str | None = 
 
 
 @contextlib.asynccontextmanager
-async def indexer_on(url: str, replicas: str, **settings) -> AsyncIterator[TestClient]:
-    config = IndexerConfig(redis_url=url, replicas=replicas, **settings)
+async def indexer_on(url: str, **settings) -> AsyncIterator[TestClient]:
+    config = IndexerConfig(redis_url=url, **settings)
     client = TestClient(TestServer(create_app(config)))
     await client.start_server()
     try:
@@ -54,8 +54,11 @@ async def scores(client: TestClient, body: dict) -> dict:
 async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
     redis_url, tiny_model, tmp_path
 ):
-    a = await Stack(redis_url, tiny_model, num_blocks=64, max_model_len=200).start()
-    b = await Stack(redis_url, tiny_model, num_blocks=64, max_model_len=200).start()
+    # Two replicas under one key prefix, told apart by the hash tag in their keys.
+    a = await Stack(redis_url, tiny_model, num_blocks=64, max_model_len=200, replica="a").start()
+    b = await Stack(
+        redis_url, tiny_model, num_blocks=64, max_model_len=200, prefix=a.prefix, replica="b"
+    ).start()
     try:
         long_prompt = prompts(1, 90, seed=41)[0]
         text = "You are a careful assistant. " * 3 + "Say hello."
@@ -64,9 +67,11 @@ async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
         await b.submit("text", text_ids, 4)
         await a.wait(["long"], timeout=120)
         await b.wait(["text"], timeout=120)
-        replicas = f"a={a.prefix},b={b.prefix}"
+        assert a.streams.events == f"{a.prefix}:{{a}}:kv-events"
+        assert b.streams.requests == f"{a.prefix}:{{b}}:requests"
+        replicas = {"stream_prefix": a.prefix, "replicas": "a,b"}
 
-        async with indexer_on(redis_url, replicas, checkpoint_dir=str(tmp_path)) as client:
+        async with indexer_on(redis_url, **replicas, checkpoint_dir=str(tmp_path)) as client:
             got = await scores(client, {"prompt_token_ids": long_prompt})
             assert got["num_tokens"] == 90
             assert got["replicas"]["a"] == {
@@ -120,7 +125,7 @@ async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
             assert report["a"]["bootstraps"] == 1
 
         # Restarted with the same checkpoints: resumed, not rebuilt, with the same answer.
-        async with indexer_on(redis_url, replicas, checkpoint_dir=str(tmp_path)) as client:
+        async with indexer_on(redis_url, **replicas, checkpoint_dir=str(tmp_path)) as client:
             again = await scores(client, {"prompt_token_ids": long_prompt})
             assert again["replicas"]["a"]["cached_blocks"] == 5
             report = (await (await client.get("/health")).json())["replicas"]
@@ -131,10 +136,14 @@ async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
 
 
 async def test_a_replica_whose_ledger_dies_goes_out_and_health_follows(redis_url, tiny_model):
-    a = await Stack(redis_url, tiny_model, num_blocks=32, max_model_len=160).start()
+    a = await Stack(redis_url, tiny_model, num_blocks=32, max_model_len=160, replica="a").start()
     try:
         async with indexer_on(
-            redis_url, f"a={a.prefix},ghost=nobody", stale_after_s=1.5, out_after_s=3.0
+            redis_url,
+            stream_prefix=a.prefix,
+            replicas="a,ghost",
+            stale_after_s=1.5,
+            out_after_s=3.0,
         ) as client:
             first = await client.get("/health")
             assert first.status == 200
