@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.model import LlamaForCausalLM
-from kernels import AttentionBackend, AttentionPlan, KVCache, TorchReference
+from kernels import AttentionBackend, AttentionPlan, KVCache, TorchReference, kv_cache_shape
 from ledger.core.capacity import kv_cache_bytes_per_block
 
 GiB = 1 << 30
@@ -248,7 +248,7 @@ def dummy_batch(
     device = param.device
     lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
     blocks_per_seq = -(-max(lens) // bs)
-    shape = (blocks_per_seq * num_seqs, bs, cfg.num_key_value_heads, cfg.head_dim)
+    shape = kv_cache_shape(blocks_per_seq * num_seqs, bs, cfg.num_key_value_heads, cfg.head_dim)
     caches = [
         (
             torch.zeros(shape, dtype=param.dtype, device=device),

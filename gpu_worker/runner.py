@@ -23,7 +23,14 @@ from gpu_worker.profile import (
     profile_memory,
 )
 from gpu_worker.sampler import SAMPLING_EPS, SampleRequest, position_seed, sample
-from kernels import AttentionBackend, AttentionPlan, AttentionSpec, KVCache, select_backend
+from kernels import (
+    AttentionBackend,
+    AttentionPlan,
+    AttentionSpec,
+    KVCache,
+    kv_cache_shape,
+    select_backend,
+)
 from services.messages import (
     CachedRequestData,
     NewRequestData,
@@ -104,7 +111,9 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         # Chosen once for the worker's life; reported in its hello (WorkerHello.attention_backend).
         self.backend = backend or select_backend(attention_spec(model, block_size))
-        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        shape = kv_cache_shape(
+            num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim
+        )
         self.kv_caches: list[KVCache] = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -115,6 +124,14 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.epoch: str | None = None
         self._generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
+        # Decode steps replay CUDA graphs where the backend has them (the CUDA kernels).
+        max_blocks = min(num_blocks, -(-self.config.max_position_embeddings // block_size))
+        self.backend.use_cuda_graphs(self._forward, block_size, max_blocks)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, plan)
 
     @classmethod
     def create(cls, cfg: RunnerConfig) -> ModelRunner:
@@ -265,7 +282,7 @@ class ModelRunner:
 
     def _run(self, chunks: list[_Chunk]) -> StepOutput:
         input_ids, positions, plan = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, plan)
+        hidden = self.backend.execute(self._forward, input_ids, positions, plan)
         for c in chunks:
             c.state.num_computed_tokens = c.start + c.num_tokens
         prompt_logprobs = self._prompt_logprobs(chunks, hidden, plan.query_start_loc.tolist())

@@ -4,7 +4,9 @@ A worker picks its backend once, at start-up, with `select_backend(AttentionSpec
 the CUDA kernels of `kernels/csrc` (built once by nvcc, cached on disk) on a CUDA device for the
 shapes and dtypes they are instantiated for, the pure-torch `kernels.reference` on the CPU or
 when asked for; anything else fails with `BackendError` instead of falling back silently. Each
-step then builds one `AttentionPlan` (`backend.plan(...)`) that every layer uses.
+step then builds one `AttentionPlan` (`backend.plan(...)`) that every layer uses, and the worker
+runs its model through `backend.execute` (CUDA graphs for decode steps on a GPU). Caches are
+allocated with `kv_cache_shape` (HND).
 
 This package stands alone: it imports torch and nothing of kvledger's services.
 """
@@ -21,6 +23,7 @@ from kernels.backend import (
     KVCache,
     TorchReference,
     cuda_unsupported,
+    kv_cache_shape,
     select_backend,
 )
 
@@ -34,5 +37,6 @@ __all__ = [
     "KVCache",
     "TorchReference",
     "cuda_unsupported",
+    "kv_cache_shape",
     "select_backend",
 ]

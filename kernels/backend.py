@@ -6,21 +6,34 @@ a prebuilt one loads); the torch reference on the CPU, or anywhere when asked fo
 Anything else is a `BackendError` that says what to change; nothing falls back silently.
 
 A step builds one `AttentionPlan` (the paged-attention inputs every layer shares) through
-`backend.plan(...)`; the model's layers only call `plan.write_kv` and `plan.attention`.
+`backend.plan(...)`; the model's layers only call `plan.write_kv` and `plan.attention`, and the
+worker runs the model through `backend.execute`, which replays CUDA graphs for decode steps on
+the CUDA backend. The KV cache is HND: `kv_cache_shape` gives it.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kernels import reference
 
 BACKEND_CHOICES = ("auto", "cuda", "reference")
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), NHD layout
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each kv_cache_shape(...)
+Forward = Callable[[torch.Tensor, torch.Tensor, "AttentionPlan"], torch.Tensor]
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """The shape of one layer's key (and value) cache: HND, [num_blocks, num_kv_heads,
+    block_size, head_dim], so one KV head's page is one contiguous block_size * head_dim run
+    that a warp of the kernels copies in whole (see README, "The KV cache layout")."""
+    return (num_blocks, num_kv_heads, block_size, head_dim)
 
 
 class BackendError(RuntimeError):
@@ -47,6 +60,8 @@ class AttentionPlan:
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32, each context length
     INCLUDING this step's tokens; query_start_loc: [num_seqs + 1] int32, cumulative query
     lengths; max_query_len / max_seq_len: the host-side maxima (upper bounds are fine).
+    `prepared` is what the backend builds once for the step at the first layer's call (the
+    CUDA kernels' work list) and every later layer reuses.
     """
 
     backend: AttentionBackend
@@ -56,6 +71,7 @@ class AttentionPlan:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    prepared: Any = None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache) -> None:
         """Write this step's K/V ([num_tokens, num_kv_heads, head_dim]) into their slots."""
@@ -88,6 +104,17 @@ class AttentionBackend(abc.ABC):
             self, slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len, max_seq_len
         )
 
+    def execute(
+        self, forward: Forward, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        """Runs `forward(input_ids, positions, plan)`, the model's step (hidden states out)."""
+        return forward(input_ids, positions, plan)
+
+    def use_cuda_graphs(self, forward: Forward, block_size: int, max_blocks_per_seq: int) -> None:
+        """Replay `forward`'s decode steps from CUDA graphs where the backend can (a no-op
+        here); `max_blocks_per_seq` bounds the block tables the graphs take."""
+        del forward, block_size, max_blocks_per_seq
+
     @abc.abstractmethod
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan
@@ -119,8 +146,9 @@ class TorchReference(AttentionBackend):
 
 
 class CudaKernels(AttentionBackend):
-    """The kernels of `kernels/csrc` on one CUDA device (decode and extend in the paged kernel,
-    long prefills through SDPA on gathered K/V: see `kernels.cuda.routed_attention`)."""
+    """The kernels of `kernels/csrc` on one CUDA device: a step's work list planned on the device
+    at its first layer, then one launch per layer (tensor cores for GQA, CUDA cores for MHA
+    decodes), and decode steps replayed from CUDA graphs once `use_cuda_graphs` is called."""
 
     name = "cuda"
 
@@ -131,6 +159,7 @@ class CudaKernels(AttentionBackend):
         self.device = device
         self.library = cuda.load()
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.graphs: Any = None  # kernels.graphs.DecodeGraphs once use_cuda_graphs is called
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan
@@ -142,15 +171,29 @@ class CudaKernels(AttentionBackend):
         self, query: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan, scale: float
     ) -> torch.Tensor:
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        return self._cuda.routed_attention(
-            self.library, stream, self.num_sms, query, *kv_cache, plan.block_tables,
-            plan.seq_lens, plan.query_start_loc, scale, plan.max_query_len, plan.max_seq_len,
+        out, plan.prepared = self._cuda.paged_attention(
+            self.library, query, *kv_cache, plan.block_tables, plan.seq_lens,
+            plan.query_start_loc, scale, plan.prepared, stream, self.num_sms, plan.max_query_len,
         )  # fmt: skip
+        return out
+
+    def use_cuda_graphs(self, forward: Forward, block_size: int, max_blocks_per_seq: int) -> None:
+        from kernels.graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, forward, block_size, max_blocks_per_seq, self.device)
+
+    def execute(
+        self, forward: Forward, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        bucket = None if self.graphs is None else self.graphs.bucket_for(plan, input_ids.numel())
+        if bucket is None:
+            return forward(input_ids, positions, plan)
+        return self.graphs.run(bucket, input_ids, positions, plan)
 
 
 def cuda_unsupported(spec: AttentionSpec) -> list[str]:
     """Why the CUDA kernels do not cover `spec` (empty when they do)."""
-    from kernels.cuda import BLOCK_SIZES, DTYPE_CODES, HEAD_DIMS, MAX_ROWS
+    from kernels.library import BLOCK_SIZES, DTYPE_CODES, HEAD_DIMS, MAX_GROUP
 
     reasons = []
     if spec.dtype not in DTYPE_CODES:
@@ -159,10 +202,10 @@ def cuda_unsupported(spec: AttentionSpec) -> list[str]:
         reasons.append(f"head_dim {spec.head_dim} (they are built for {_names(HEAD_DIMS)})")
     if spec.block_size not in BLOCK_SIZES:
         reasons.append(f"block_size {spec.block_size} (they are built for {_names(BLOCK_SIZES)})")
-    if spec.num_heads % spec.num_kv_heads or spec.num_heads // spec.num_kv_heads > MAX_ROWS:
+    if spec.num_heads % spec.num_kv_heads or spec.num_heads // spec.num_kv_heads > MAX_GROUP:
         reasons.append(
             f"{spec.num_heads} query heads over {spec.num_kv_heads} KV heads (a GQA group of at "
-            f"most {MAX_ROWS} query heads per KV head)"
+            f"most {MAX_GROUP} query heads per KV head)"
         )
     return reasons
 

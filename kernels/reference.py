@@ -19,15 +19,15 @@ def reshape_and_cache(
 ) -> None:
     """Scatter new tokens' K/V rows into their slots; negative slots are padding and skipped.
 
-    Because the cache is NHD (`[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous),
-    slot `block_id * block_size + offset` is simply row `slot` of the cache viewed as
-    `[num_blocks * block_size, num_kv_heads, head_dim]`.
+    The cache is HND (`[num_blocks, num_kv_heads, block_size, head_dim]`): slot
+    `block_id * block_size + offset` of token t puts head h's row at `cache[block_id, h, offset]`.
     """
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].to(torch.long)
+    block_size = key_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
     for new, cache in ((key, key_cache), (value, value_cache)):
-        rows = cache.view(-1, *cache.shape[2:])
-        rows.index_copy_(0, slots, new[valid].to(cache.dtype))
+        cache[blocks, :, offsets] = new[valid].to(cache.dtype)
 
 
 def gather_kv(
@@ -37,11 +37,11 @@ def gather_kv(
     seq_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first `seq_len` K and V rows, unpaged: two `[seq_len, kv_heads, dim]`."""
-    block_size = key_cache.shape[1]
+    block_size = key_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].to(torch.long)
-    key = key_cache[blocks].flatten(0, 1)[:seq_len]
-    value = value_cache[blocks].flatten(0, 1)[:seq_len]
+    key = key_cache[blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
+    value = value_cache[blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
     return key, value
 
 
@@ -142,14 +142,15 @@ def decode_batch(
     cheaper than a Python loop of small SDPA calls.
     """
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     max_len = int(seq_lens.max())
     blocks = block_tables[:, : -(-max_len // block_size)].to(torch.long)
     valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None].long()
     # Slots past seq_len may hold anything (even NaN): zero them so 0-weight * NaN cannot leak.
     pad = ~valid[:, :, None, None]
-    key = key_cache[blocks].flatten(1, 2)[:, :max_len].masked_fill(pad, 0.0)
-    value = value_cache[blocks].flatten(1, 2)[:, :max_len].masked_fill(pad, 0.0)
+    # [seqs, blocks, heads, block_size, dim] -> [seqs, positions, heads, dim]
+    key = key_cache[blocks].transpose(2, 3).flatten(1, 2)[:, :max_len].masked_fill(pad, 0.0)
+    value = value_cache[blocks].transpose(2, 3).flatten(1, 2)[:, :max_len].masked_fill(pad, 0.0)
     # GQA without copying K/V: a KV head's query heads become its "query length" axis.
     group = num_heads // num_kv_heads
     q = query.reshape(num_seqs, num_kv_heads, group, head_dim).float()

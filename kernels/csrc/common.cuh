@@ -81,6 +81,36 @@ __device__ __forceinline__ uint4 load_global_16(const void* ptr) {
   return *reinterpret_cast<const uint4*>(ptr);
 }
 
+// A load of data other CTAs of this launch wrote (split partials): through L2, never the
+// read-only path that __ldg takes, whose cache is not coherent within a kernel.
+template <typename T>
+__device__ __forceinline__ T load_coherent(const T* ptr) {
+#ifdef KVL_HOST_EMULATION
+  emu::check_global(ptr, sizeof(T), "load");
+  return *ptr;
+#else
+  return __ldcg(ptr);
+#endif
+}
+
+__device__ __forceinline__ int atomic_add_global(int* ptr, int value) {
+#ifdef KVL_HOST_EMULATION
+  emu::check_global(ptr, sizeof(int), "atomic");  // CTAs run one at a time: a plain add is atomic
+  const int old = *ptr;
+  *ptr = old + value;
+  return old;
+#else
+  return atomicAdd(ptr, value);
+#endif
+}
+
+// Orders this thread's global writes before its later ones as seen by other CTAs.
+__device__ __forceinline__ void thread_fence() {
+#ifndef KVL_HOST_EMULATION
+  __threadfence();
+#endif
+}
+
 template <typename T>
 __device__ __forceinline__ void store_global(T* ptr, const T& value) {
 #ifdef KVL_HOST_EMULATION
@@ -123,6 +153,10 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 __device__ __forceinline__ float warp_xor(float value, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, value, lane_mask);
+}
+
+__device__ __forceinline__ int warp_xor_int(int value, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, value, lane_mask);
 }
 

@@ -2,7 +2,8 @@
 // set of fibers (one per CUDA thread) switched at __syncthreads, __syncwarp and shuffles, with
 // cp.async copies deferred to cp.async.wait_group and global accesses bounds-checked. Two
 // schedules expose races: round-robin (threads advance barrier by barrier together) and greedy
-// (the lowest runnable thread runs, so warps drift as far apart as barriers allow). Included by
+// (the lowest runnable thread runs, so warps drift as far apart as barriers allow). The
+// tensor-core instructions (ldmatrix, mma.sync) are in host_emulation_warp.cuh. Included by
 // common.cuh only when KVL_HOST_EMULATION is defined; never part of the CUDA build.
 #pragma once
 
@@ -68,6 +69,8 @@ struct WarpState {
   unsigned generation = 0;
   uint64_t exchange[2][32] = {};
   int lane_mask[2][32] = {};
+  uint32_t operands[32][6] = {};  // ldmatrix / mma: what each lane brought (host_emulation_warp)
+  int operation[32] = {};
 };
 
 struct Range {
@@ -402,6 +405,8 @@ inline void cp_async_wait(int allowed_pending) {
 }
 
 }  // namespace kvl::emu
+
+#include "host_emulation_warp.cuh"
 
 // ---- the CUDA names the kernels use -----------------------------------------------------------
 

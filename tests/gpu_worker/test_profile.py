@@ -82,7 +82,7 @@ def test_runner_create_sizes_the_cache_from_the_profile():
     )
     runner = ModelRunner.create(cfg)
     assert runner.num_blocks == (1 << 20) // (BYTES_PER_BLOCK // 2) == 64
-    assert runner.kv_caches[0][0].shape == (64, 8, 1, 64) and len(runner.kv_caches) == 4
+    assert runner.kv_caches[0][0].shape == (64, 1, 8, 64) and len(runner.kv_caches) == 4
     assert runner.name == "kvledger-tiny-llama" and runner.profile.num_gpu_blocks == 64
 
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import AttentionBackend, AttentionPlan, reference
+from kernels import AttentionBackend, AttentionPlan, kv_cache_shape, reference
 
 
 @dataclass
 class PagedBatch:
     query: torch.Tensor  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, head_dim] (HND)
     value_cache: torch.Tensor
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
@@ -93,7 +93,7 @@ def make_batch(
     for seq, count in enumerate(blocks_per_seq):
         table[seq, :count] = torch.tensor([order.pop() for _ in range(count)])
 
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.full(shape, float("nan"), dtype=dtype)
     value_cache = torch.full(shape, float("nan"), dtype=dtype)
     keys = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]

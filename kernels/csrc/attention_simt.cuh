@@ -1,41 +1,20 @@
-// The paged attention kernel: causal attention of a ragged batch (decode, extend and prefill)
-// over the NHD cache. One CTA per (query tile of a sequence, KV head, split of the keys): its
-// rows are the query heads of one GQA group times a few query tokens, so each K/V chunk is
-// loaded once for all of them. Splits write partial (max, sum, out) for split_reduce.cuh.
+// Paged attention on CUDA cores, for MHA (one query head per KV head, where a tensor-core tile
+// would be 15/16 padding): one CTA per work item and KV head, its rows a few query tokens. Each
+// thread owns 8 dims of every row; a K/V row is kChunks 16-byte chunks, one per thread, so the
+// CTA covers kSlots keys at once and dot products finish with a warp reduction.
 #pragma once
 
-#include <cmath>
-
-#include "common.cuh"
+#include "attention_common.cuh"
 
 namespace kvl {
+namespace simt {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTileKeys = 32;  // keys per pipeline stage
-constexpr int kMaxRows = 8;    // (query token, head) rows per CTA; kernels/cuda.py keeps to it
+constexpr int kMaxRows = 8;  // (query token, head) rows per CTA; kernels/cuda.py keeps to it
 constexpr int kStages = 4;  // tiles in flight: ~3 x 16 KB per CTA at head_dim 128
-constexpr int kMaxSplits = 128;  // MAX_SPLITS in kernels/cuda.py
-constexpr float kNegInf = -INFINITY;
-
-struct AttentionParams {
-  const void* query;  // [num_tokens, num_heads, D], tokens q_stride elements apart
-  const void* key_cache;  // [num_blocks, BS, num_kv_heads, D]
-  const void* value_cache;
-  const int* block_tables;  // [num_seqs, bt_stride]
-  const int* seq_lens;  // [num_seqs], context including this step's tokens
-  const int* query_start_loc;  // [num_seqs + 1]
-  void* out;  // [num_tokens, num_heads, D]
-  float* partial_out;  // [num_splits, num_tokens, num_heads, D], only when num_splits > 1
-  float2* partial_ml;  // [num_splits, num_tokens, num_heads]: (max in log2 units, sum)
-  int64_t q_stride;
-  int bt_stride;
-  int num_seqs, num_tokens, num_heads, num_kv_heads;
-  int q_tile;  // query tokens per CTA: q_tile * group <= kMaxRows
-  int q_tiles_per_seq;  // >= ceil(max_query_len / q_tile)
-  int num_splits, split_keys;  // split_keys is a multiple of kTileKeys
-  float scale_log2;  // softmax scale * log2(e): scores live in the exp2 domain
-};
+static_assert(kChunkAlign % kTileKeys == 0, "items start on a stage boundary");
 
 // Thread layout: a K/V row of D values is kChunks 16-byte chunks, one per thread, so the CTA
 // covers kSlots keys at once; thread (slot, chunk) loads and reads only its own chunks of keys
@@ -60,7 +39,7 @@ __device__ __forceinline__ int tile_offset(int stage, int tensor, int key, int c
 }
 
 template <typename T, int D, int BS>
-__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads) attention_kernel(const AttentionParams p) {
   using L = Layout<D>;
   KVL_DYNAMIC_SMEM(smem);  // L::kSmemBytes
   __shared__ float warp_max[kWarps][kMaxRows];
@@ -71,42 +50,19 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
   const int warp = tid / 32;
   const int chunk = tid % L::kChunks;
   const int slot = tid / L::kChunks;
-
-  const int seq = blockIdx.x / p.q_tiles_per_seq;
-  const int tok0 = (blockIdx.x % p.q_tiles_per_seq) * p.q_tile;
   const int kv_head = blockIdx.y;
-  const int split = blockIdx.z;
+  if (blockIdx.x == gridDim.x - 1) return zero_padding_rows<T, D>(p, kv_head);
+  if (static_cast<int>(blockIdx.x) >= load_global(p.num_items)) return;  // past the work list
+  const WorkItem item = load_item(p.items + blockIdx.x);
   const int group = p.num_heads / p.num_kv_heads;
+  const int rows = item.n_tok * group;
+  const int first_pos = item.first_pos;
+  const int k_begin = item.kv_begin;
+  const int k_end = item.kv_end;
 
-  const int q_begin = load_global(p.query_start_loc + seq);
-  const int q_len = load_global(p.query_start_loc + seq + 1) - q_begin;
-  if (tok0 >= q_len) return;  // past this sequence's queries: the whole CTA leaves together
-  const int n_tok = min(p.q_tile, q_len - tok0);
-  const int rows = n_tok * group;
-  const int seq_len = load_global(p.seq_lens + seq);
-  const int first_pos = seq_len - q_len + tok0;  // position of the tile's first query token
-  const int kv_end = first_pos + n_tok;  // causal: no row of this tile sees keys >= kv_end
-  const int k_begin = split * p.split_keys;
-  // The last split takes any remainder, so an undersized max_seq_len hint is still correct.
-  const int k_end = split == p.num_splits - 1 ? kv_end : min(k_begin + p.split_keys, kv_end);
-
-  // Row r is query token (tok0 + r / group) of the sequence and query head kv_head*group + r%group.
-  auto row_token = [&](int r) { return static_cast<int64_t>(q_begin + tok0 + r / group); };
+  // Row r is query token (q_begin + r / group) and query head kv_head*group + r%group.
+  auto row_token = [&](int r) { return static_cast<int64_t>(item.q_begin + r / group); };
   auto row_head = [&](int r) { return kv_head * group + r % group; };
-
-  if (k_begin >= k_end) {  // nothing to attend to in this split
-    for (int idx = tid; idx < rows * D; idx += kThreads) {
-      const int r = idx / D;
-      const int64_t out_row = row_token(r) * p.num_heads + row_head(r);
-      if (p.num_splits == 1) {  // only for malformed input (seq_len < q_len): write zeros
-        store_global(static_cast<T*>(p.out) + out_row * D + idx % D, from_float(0.f, T()));
-      } else if (idx % D == 0) {
-        const int64_t row = split * static_cast<int64_t>(p.num_tokens) * p.num_heads + out_row;
-        store_global(p.partial_ml + row, float2{kNegInf, 0.f});
-      }
-    }
-    return;
-  }
 
   // This thread's 8 dims of every row's query, pre-scaled into the exp2 domain.
   float q[kMaxRows][8];
@@ -126,9 +82,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
 
   const T* key_cache = static_cast<const T*>(p.key_cache);
   const T* value_cache = static_cast<const T*>(p.value_cache);
-  const int* block_table = p.block_tables + static_cast<int64_t>(seq) * p.bt_stride;
+  const int* block_table = p.block_tables + static_cast<int64_t>(item.seq) * p.bt_stride;
   T* tiles = reinterpret_cast<T*>(smem);
-  const int num_tiles = (k_end - k_begin + kTileKeys - 1) / kTileKeys;
+  const int num_tiles = max(0, k_end - k_begin + kTileKeys - 1) / kTileKeys;
 
   // Block ids of this thread's keys in the next tile to issue; fetched a tile ahead so the
   // block-table load latency hides behind the math of the current tile.
@@ -149,10 +105,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
       T* k_dst = tiles + tile_offset<D>(stage, 0, key, chunk);
       T* v_dst = tiles + tile_offset<D>(stage, 1, key, chunk);
       if (pos < k_end) {
-        const int64_t row =
-            (static_cast<int64_t>(block_ids[i]) * BS + pos % BS) * p.num_kv_heads + kv_head;
-        cp_async_16(k_dst, key_cache + row * D + chunk * 8, 16);
-        cp_async_16(v_dst, value_cache + row * D + chunk * 8, 16);
+        const int64_t row = hnd_offset<D, BS>(block_ids[i], p.num_kv_heads, kv_head, pos % BS);
+        cp_async_16(k_dst, key_cache + row + chunk * 8, 16);
+        cp_async_16(v_dst, value_cache + row + chunk * 8, 16);
       } else {  // past the end (last block's tail, or past the split): zeros, nothing read
         cp_async_16(k_dst, key_cache, 0);
         cp_async_16(v_dst, value_cache, 0);
@@ -321,33 +276,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Attenti
     }
   }
   __syncthreads();
-
-  for (int idx = tid; idx < rows * D; idx += kThreads) {
-    const int r = idx / D;
-    const int d = idx % D;
-    float max_all = kNegInf;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) max_all = fmaxf(max_all, warp_max[w][r]);
-    float sum = 0.f;
-    float out = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      if (warp_max[w][r] != kNegInf) {
-        const float weight = exp2f(warp_max[w][r] - max_all);
-        sum += warp_sum[w][r] * weight;
-        out += reduce[(w * kMaxRows + r) * D + d] * weight;
-      }
-    }
-    const float value = sum > 0.f ? out / sum : 0.f;
-    const int64_t out_row = row_token(r) * p.num_heads + row_head(r);
-    if (p.num_splits == 1) {
-      store_global(static_cast<T*>(p.out) + out_row * D + d, from_float(value, T()));
-    } else {
-      const int64_t row = split * static_cast<int64_t>(p.num_tokens) * p.num_heads + out_row;
-      store_global(p.partial_out + row * D + d, value);
-      if (d == 0) store_global(p.partial_ml + row, float2{sum > 0.f ? max_all : kNegInf, sum});
-    }
-  }
+  finish_item<T, D>(p, item, kv_head, group, reduce, &warp_max[0][0], &warp_sum[0][0], kWarps,
+                    kMaxRows);
 }
 
+}  // namespace simt
 }  // namespace kvl
