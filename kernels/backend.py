@@ -105,7 +105,11 @@ class AttentionBackend(abc.ABC):
         )
 
     def execute(
-        self, forward: Forward, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan
+        self,
+        forward: Forward,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         """Runs `forward(input_ids, positions, plan)`, the model's step (hidden states out)."""
         return forward(input_ids, positions, plan)
@@ -183,7 +187,11 @@ class CudaKernels(AttentionBackend):
         self.graphs = DecodeGraphs(self, forward, block_size, max_blocks_per_seq, self.device)
 
     def execute(
-        self, forward: Forward, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan
+        self,
+        forward: Forward,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         bucket = None if self.graphs is None else self.graphs.bucket_for(plan, input_ids.numel())
         if bucket is None:

@@ -159,9 +159,14 @@ class KernelLibrary:
         slots = slot_mapping.to(torch.int64).contiguous()
         num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
         head_bytes = head_dim * key.element_size()
-        if key.dtype != key_cache.dtype or head_bytes % 16 or key.shape[1:] != (
-            num_kv_heads,
-            head_dim,
+        if (
+            key.dtype != key_cache.dtype
+            or head_bytes % 16
+            or key.shape[1:]
+            != (
+                num_kv_heads,
+                head_dim,
+            )
         ):
             raise ValueError(
                 f"K/V rows {tuple(key.shape[1:])} {key.dtype} do not fit a cache of "

@@ -4,6 +4,7 @@ and splits long contexts only when that fills an otherwise idle GPU."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -71,9 +72,9 @@ def check_covers_everything_once(
         covered += [(seq, offset + i) for i in range(first.n_tok)]
         # Keys: the chunks cut [0, extent) in order, each starting on a chunk boundary.
         extent = first.first_pos + first.n_tok
-        assert [(c.kv_begin, c.kv_end) for c in chunks][0][0] == 0
+        assert next((c.kv_begin, c.kv_end) for c in chunks)[0] == 0
         assert chunks[-1].kv_end == extent
-        for a, b in zip(chunks, chunks[1:], strict=False):
+        for a, b in itertools.pairwise(chunks):
             assert a.kv_end == b.kv_begin
         assert all(c.kv_begin % CHUNK_ALIGN == 0 and c.kv_begin < c.kv_end for c in chunks)
         if first.num_chunks == 1:
@@ -87,9 +88,7 @@ def check_covers_everything_once(
     assert sorted(covered) == expected
 
 
-RANDOM_BATCHES = [
-    (seed, random.Random(seed).choice([1, 4, 40, 300])) for seed in range(12)
-]
+RANDOM_BATCHES = [(seed, random.Random(seed).choice([1, 4, 40, 300])) for seed in range(12)]
 
 
 @pytest.mark.parametrize(("seed", "num_seqs"), RANDOM_BATCHES)

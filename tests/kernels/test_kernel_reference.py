@@ -10,6 +10,7 @@ from kernels import (
     BackendError,
     TorchReference,
     cuda_unsupported,
+    kv_cache_shape,
     reference,
     select_backend,
 )
@@ -49,7 +50,7 @@ def test_padding_rows_past_the_last_sequence_are_zero():
 def test_reshape_and_cache_writes_rows_and_skips_negative_slots():
     gen = torch.Generator().manual_seed(5)
     num_blocks, block_size, kv_heads, head_dim = 6, 16, 2, 64
-    shape = (num_blocks, block_size, kv_heads, head_dim)
+    shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
     key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:20]
     slots[[3, 11]] = -1
@@ -63,10 +64,19 @@ def test_reshape_and_cache_writes_rows_and_skips_negative_slots():
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        assert torch.equal(key_cache[block, offset], key[token])
-        assert torch.equal(value_cache[block, offset], value[token])
-    written = (key_cache.abs().sum(dim=(2, 3)) != 0).sum().item()
+        assert torch.equal(key_cache[block, :, offset], key[token])  # HND: [block, head, offset]
+        assert torch.equal(value_cache[block, :, offset], value[token])
+    written = (key_cache.abs().sum(dim=(1, 3)) != 0).sum().item()
     assert written == 18  # padding tokens 3 and 11 left no trace
+
+
+def test_cache_layout_is_hnd_one_kv_heads_page_contiguous():
+    assert kv_cache_shape(10, 16, 8, 128) == (10, 8, 16, 128)
+    batch = make_batch([40], [1], 4, 2, 64, 16, seed=2)
+    table = batch.block_tables[0].long()
+    # The 16 keys of head 1 in the sequence's second page are one contiguous run.
+    page = batch.key_cache[table[1], 1]
+    assert page.is_contiguous() and torch.equal(page, batch.keys[0][16:32, 1])
 
 
 def test_query_longer_than_context_is_rejected_with_the_reason():
@@ -107,13 +117,13 @@ def test_shapes_the_cuda_kernels_do_not_cover_are_named():
     cuda = torch.device("cuda")
     assert cuda_unsupported(spec(device=cuda, dtype=torch.bfloat16)) == []
     reasons = cuda_unsupported(
-        spec(device=cuda, dtype=torch.float32, head_dim=96, block_size=8, num_heads=32)
+        spec(device=cuda, dtype=torch.float32, head_dim=96, block_size=8, num_heads=64)
     )
     assert reasons == [
         "dtype float32 (they run float16 and bfloat16)",
         "head_dim 96 (they are built for 64 and 128)",
         "block_size 8 (they are built for 16 and 32)",
-        "32 query heads over 2 KV heads (a GQA group of at most 8 query heads per KV head)",
+        "64 query heads over 2 KV heads (a GQA group of at most 16 query heads per KV head)",
     ]
     if not torch.cuda.is_available():  # the check comes before any build or device access
         with pytest.raises(BackendError, match="do not cover this model: dtype float32"):
@@ -121,7 +131,7 @@ def test_shapes_the_cuda_kernels_do_not_cover_are_named():
 
 
 def test_empty_batch_gives_empty_output():
-    cache = torch.zeros(2, 16, 2, 64)
+    cache = torch.zeros(kv_cache_shape(2, 16, 2, 64))
     no_seqs = torch.empty(0, dtype=torch.int32)
     plan = TorchReference().plan(
         torch.empty(0, dtype=torch.long), torch.empty(0, 1, dtype=torch.int32), no_seqs,
