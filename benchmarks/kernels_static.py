@@ -71,12 +71,40 @@ def find_tool(name: str) -> str | None:
     return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
 
 
-def compile_cubin(nvcc: str, arch: str = "90") -> Path:
+# What the copies would be in an NHD cache ([blocks, block_size, kv_heads, dim]): a warp's 16
+# keys are 16 rows num_kv_heads * dim apart instead of one contiguous run (--compare-nhd).
+NHD_COPIES = {
+    "const int64_t page = hnd_offset<D, BS>(block, p.num_kv_heads, kv_head, warp_key_in_page);":
+    "const int64_t page = ((static_cast<int64_t>(block) * BS + warp_key_in_page) * "
+    "p.num_kv_heads + kv_head) * D;",
+    "cp_async_16(k_dst + at, valid ? k_cache + page + c * 8 : k_cache, valid ? 16 : 0);":
+    "const int64_t src = page + static_cast<int64_t>(key) * p.num_kv_heads * D + c % L::kChunks "
+    "* 8;\n      cp_async_16(k_dst + at, valid ? k_cache + src : k_cache, valid ? 16 : 0);",
+    "cp_async_16(v_dst + at, valid ? v_cache + page + c * 8 : v_cache, valid ? 16 : 0);":
+    "cp_async_16(v_dst + at, valid ? v_cache + src : v_cache, valid ? 16 : 0);",
+}  # fmt: skip
+
+
+def nhd_sources(folder: Path) -> Path:
+    """A copy of kernels/csrc whose tensor-core kernel copies from an NHD cache."""
+    csrc = folder / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    path = csrc / "attention_tc.cuh"
+    text = path.read_text()
+    for hnd, nhd in NHD_COPIES.items():
+        if text.count(hnd) != 1:
+            raise RuntimeError(f"attention_tc.cuh changed: update NHD_COPIES ({hnd})")
+        text = text.replace(hnd, nhd)
+    path.write_text(text)
+    return csrc
+
+
+def compile_cubin(nvcc: str, arch: str = "90", csrc: Path = build.CSRC) -> Path:
     """The sm_XX cubin of paged_attention.cu, cached by the hash of the sources and command."""
-    source = build.CSRC / "paged_attention.cu"
+    source = csrc / "paged_attention.cu"
     command = [nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", "-cubin", "-o", "OUT", str(source)]
-    digest = hashlib.sha256(" ".join(command).encode())
-    for path in build.sources() + build.headers():
+    digest = hashlib.sha256(" ".join(command[:-1]).encode())
+    for path in build.sources(csrc) + build.headers(csrc):
         digest.update(path.read_bytes())
     target = build.cache_root() / f"static-{digest.hexdigest()[:16]}" / f"sm_{arch}.cubin"
     if target.exists():
@@ -167,6 +195,9 @@ def stage_figures(loop: Loop, head_dim: int, element_bytes: int, gpu: dict[str, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kernels-static.json")
+    parser.add_argument(
+        "--compare-nhd", action="store_true", help="also count the loop with NHD-cache copies"
+    )
     args = parser.parse_args(argv)
     tools = {"nvcc": build.find_nvcc(), "cuobjdump": find_tool("cuobjdump")}
     tools["nvdisasm"] = find_tool("nvdisasm")
@@ -199,6 +230,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f['tensor_cycles_per_tile']:>6} {f['mufu_cycles_per_tile']:>5} "
                   f"{f['hbm_cycles_per_tile']:>6}             | "
                   f"{'memory' if f['memory_bound'] else 'INSTRUCTIONS'}")  # fmt: skip
+    if args.compare_nhd:
+        with tempfile.TemporaryDirectory() as folder:
+            nhd_cubin = compile_cubin(nvcc, csrc=nhd_sources(Path(folder)))
+            for _, head_dim, dtype in CONFIGS[:1]:
+                name = kernel_name(dtype, head_dim, 16)
+                hnd = decode_loop(disassemble(cuobjdump, nvdisasm, cubin, name), head_dim)
+                nhd = decode_loop(disassemble(cuobjdump, nvdisasm, nhd_cubin, name), head_dim)
+                print(
+                    f"copies from an NHD cache: {nhd.instructions} instructions per warp and "
+                    f"stage ({dict(nhd.ops.most_common(6))}); HND: {hnd.instructions}"
+                )
+        return 0 if ok else 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     model = {
         "tile": f"one 64-key stage of one KV head: {WARPS} warps x the loop",

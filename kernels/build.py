@@ -28,12 +28,12 @@ class BuildError(RuntimeError):
     """A compiler is missing or rejected the sources; the message carries its output."""
 
 
-def sources() -> list[Path]:
-    return sorted(CSRC.glob("*.cu"))
+def sources(csrc: Path = CSRC) -> list[Path]:
+    return sorted(csrc.glob("*.cu"))
 
 
-def headers() -> list[Path]:
-    return sorted(CSRC.glob("*.cuh"))
+def headers(csrc: Path = CSRC) -> list[Path]:
+    return sorted(csrc.glob("*.cuh"))
 
 
 def cache_root() -> Path:
@@ -75,14 +75,18 @@ def gencode_flags(archs: tuple[str, ...] = ARCHS) -> list[str]:
 def nvcc_command(nvcc: str, inputs: list[Path], output: Path, *, shared: bool) -> list[str]:
     """nvcc invocation for a shared library (shared=True) or one object file (compile only)."""
     mode = ["-shared", "-Xcompiler", "-fPIC"] if shared else ["-c"]
-    return [nvcc, "-std=c++17", "-O3", *gencode_flags(), *mode, "-o", str(output)] + [
+    threads = ["--threads", "0"]  # one compiler process per target architecture
+    return [nvcc, "-std=c++17", "-O3", *threads, *gencode_flags(), *mode, "-o", str(output)] + [
         str(p) for p in inputs
     ]
 
 
 def host_command(compiler: str, include: Path, inputs: list[Path], output: Path) -> list[str]:
     return [
-        compiler, "-std=c++17", "-O2", "-g", "-fPIC", "-fno-strict-aliasing", "-shared", "-DKVL_HOST_EMULATION",
+        # -fno-gnu-unique: a process may load several emulated builds (the planted-bug tests);
+        # their inline functions' statics must stay their own, not be merged by the loader.
+        compiler, "-std=c++17", "-O2", "-g", "-fPIC", "-fno-strict-aliasing", "-fno-gnu-unique",
+        "-shared", "-DKVL_HOST_EMULATION",
         f"-I{include}", "-x", "c++", *[str(p) for p in inputs], "-o", str(output),
     ]  # fmt: skip
 
@@ -91,9 +95,9 @@ def _tool_version(tool: str) -> str:
     return subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
 
 
-def _digest(command: list[str], tool_version: str) -> str:
+def _digest(command: list[str], tool_version: str, csrc: Path) -> str:
     h = hashlib.sha256()
-    for path in sources() + headers():
+    for path in sources(csrc) + headers(csrc):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(" ".join(command).encode())
@@ -101,8 +105,9 @@ def _digest(command: list[str], tool_version: str) -> str:
     return h.hexdigest()[:16]
 
 
-def build(emulated: bool = False) -> Path:
-    """Path of the built library, compiling it only when no cached copy matches the sources."""
+def build(emulated: bool = False, csrc: Path = CSRC) -> Path:
+    """Path of the built library, compiling it only when no cached copy matches the sources
+    (`csrc`: another copy of the sources, e.g. one with a planted bug)."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise BuildError("nvcc not found: set KVLEDGER_NVCC, CUDA_HOME, or put nvcc on PATH")
@@ -111,13 +116,13 @@ def build(emulated: bool = False) -> Path:
         compiler = os.environ.get("CXX", "g++")
         if shutil.which(compiler) is None:
             raise BuildError(f"host compiler {compiler!r} not found for the emulated build")
-        command = host_command(compiler, cuda_include_dir(nvcc), sources(), placeholder)
+        command = host_command(compiler, cuda_include_dir(nvcc), sources(csrc), placeholder)
         tool = compiler
     else:
-        command = nvcc_command(nvcc, sources(), placeholder, shared=True)
+        command = nvcc_command(nvcc, sources(csrc), placeholder, shared=True)
         tool = nvcc
     kind = "emulated" if emulated else "cuda"
-    final = cache_root() / f"{kind}-{_digest(command, _tool_version(tool))}"
+    final = cache_root() / f"{kind}-{_digest(command, _tool_version(tool), csrc)}"
     if (final / LIBRARY_NAME).exists():
         return final / LIBRARY_NAME
 

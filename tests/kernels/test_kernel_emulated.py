@@ -118,8 +118,9 @@ def test_emulated_split_keys_merge_in_the_last_chunk(library, heads, kv_heads, n
 
 
 def test_emulated_prefill_rows_split_across_warps(library):
-    # 64-row tiles: a prefill of 150 tokens over 4 query heads per KV head, on a cached prefix.
-    batch = make_batch([170, 40], [150, 40], 8, 2, 128, 16, torch.bfloat16, seed=8)
+    # 64-row tiles of 16 tokens x 4 query heads per KV head: a prefill of 150 tokens on a short
+    # cached prefix, and an extend on a long one (its tiles run the steady-state loop).
+    batch = make_batch([170, 40, 900], [150, 40, 40], 8, 2, 128, 16, torch.bfloat16, seed=8)
     out, work = run(library, batch)
     assert work.q_tile == 16 and work.kernel == TENSOR_CORES
     assert_matches_reference(out, batch)
