@@ -33,7 +33,8 @@ constexpr int kSplitCandidates = 30;
 constexpr int kCandidates = kSplitCandidates + 1;
 // Cost model, in keys one CTA streams in the same time: a CTA's start-up (dependent loads,
 // filling the pipeline), a split chunk's partial rows (written, then read by the merge), and a
-// step whose tiles split at all (the merging CTAs' serial tail).
+// step whose tiles split at all (the merging CTAs' serial tail). A step's cost is its work over
+// the CTA slots plus the idle part of its last wave of CTAs.
 constexpr float kItemOverheadKeys = 64.f;
 constexpr float kChunkOverheadKeys = 32.f;
 constexpr float kSplitOverheadKeys = 128.f;
@@ -182,12 +183,16 @@ __global__ void __launch_bounds__(kPlanThreads) attention_plan_kernel(const Plan
       }
       if (n_items > p.max_items || n_slots > p.max_slots) continue;
       const int chunk = k < kSplitCandidates ? candidate_chunk(k) : max_split;
-      // The longest item bounds the step; the rest spreads over the GPU's CTA slots.
+      // The work spread over the GPU's CTA slots, plus the idle share of the last wave of
+      // CTAs (exact for equal items: ceil(waves) x the item); never less than the longest item.
       const float longest_item = static_cast<float>(max(max_whole, min(chunk, max_split))) +
                                  kItemOverheadKeys;
-      const float spread = (all_keys + n_items * kItemOverheadKeys + n_slots * kChunkOverheadKeys) *
-                           p.num_kv_heads / max(1, p.cta_slots);
-      const float cost = fmaxf(longest_item, spread + longest_item / 2) +
+      const float slots = static_cast<float>(max(1, p.cta_slots));
+      const float spread =
+          (all_keys + n_items * kItemOverheadKeys + n_slots * kChunkOverheadKeys) *
+          p.num_kv_heads / slots;
+      const float waves = static_cast<float>(n_items) * p.num_kv_heads / slots;
+      const float cost = fmaxf(longest_item, spread + longest_item * (ceilf(waves) - waves)) +
                          (n_slots > 0 ? kSplitOverheadKeys : 0.f);
       if (k == kSplitCandidates || cost < best_cost) {
         best_cost = cost;
