@@ -48,7 +48,32 @@ def vllm_python() -> Path:
     return python
 
 
-def run_driver(python: Path, driver: str, payload: dict[str, Any], workdir: Path) -> dict:
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("oracle")
+
+
+def first_difference(ours: list[dict], theirs: list[dict], what: list[Any]) -> str | None:
+    """A readable account of the first op/step where the two sides part, or None."""
+    for index, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            fields = {
+                k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+            }
+            lines = [f"#{index}: {json.dumps(what[index])[:300]}"]
+            lines += [
+                f"  {k}:\n    ours {str(x)[:400]}\n    vllm {str(y)[:400]}"
+                for k, (x, y) in fields.items()
+            ]
+            return "\n".join(lines)
+    if len(ours) != len(theirs):
+        return f"ours ran {len(ours)} entries, vLLM {len(theirs)}"
+    return None
+
+
+def run_driver(
+    python: Path, driver: str, payload: dict[str, Any], workdir: Path, timeout: float = 900
+) -> dict:
     """One subprocess for a whole batch of traces; vLLM's import costs seconds, not the ops."""
     source, target = workdir / f"{driver}.in.json", workdir / f"{driver}.out.json"
     source.write_text(json.dumps(payload))
@@ -59,8 +84,18 @@ def run_driver(python: Path, driver: str, payload: dict[str, Any], workdir: Path
         capture_output=True,
         text=True,
         env=env,
-        timeout=900,
+        timeout=timeout,
     )
     if done.returncode != 0:
         raise AssertionError(f"{driver} failed in vLLM's venv:\n{done.stderr[-4000:]}")
     return json.loads(target.read_text())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The long sweep runs only when asked for by name: `-m oracle_sweep`."""
+    if "oracle_sweep" in (config.getoption("markexpr") or ""):
+        return
+    sweep = [item for item in items if item.get_closest_marker("oracle_sweep")]
+    if sweep:
+        config.hook.pytest_deselected(items=sweep)
+        items[:] = [item for item in items if not item.get_closest_marker("oracle_sweep")]
