@@ -45,6 +45,7 @@ class LedgerScheduler:
             config["num_blocks"],
             self.block_size,
             config["max_model_len"],
+            enable_caching=config["enable_prefix_caching"],
             enable_kv_cache_events=True,
             watermark=config["watermark"],
         )

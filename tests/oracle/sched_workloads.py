@@ -29,6 +29,7 @@ def base_config(seed: int, **overrides: Any) -> dict[str, Any]:
         "max_num_seqs": 6,
         "max_num_batched_tokens": 128,
         "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
         "async_scheduling": False,
         "watermark": 0.0,
         "long_prefill_token_threshold": 0,
@@ -109,6 +110,8 @@ def random_workload(seed: int, mode: str) -> dict:
         ),
         policy=rng.choice(("fcfs", "fcfs", "priority")),
         reset_when_idle=rng.random() < 0.5,
+        # Off, every freed block is uncached: their order at the front of the free queue shows.
+        enable_prefix_caching=rng.random() < 0.85,
     )
     prefixes = [
         [rng.randrange(100, 32000) for _ in range(rng.randrange(1, max_model_len // 2))]

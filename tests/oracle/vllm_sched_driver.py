@@ -90,7 +90,9 @@ class VllmScheduler:
             watermark=config["watermark"],
             async_scheduling=config["async_scheduling"],
         )
-        cache = CacheConfig(block_size=config["block_size"], enable_prefix_caching=True)
+        cache = CacheConfig(
+            block_size=config["block_size"], enable_prefix_caching=config["enable_prefix_caching"]
+        )
         cache.num_gpu_blocks = config["num_blocks"]
         vllm_config = VllmConfig(
             model_config=model,
