@@ -6,7 +6,11 @@ same engine in one process without Redis, on the same workload.
 Reports requests/s, output tokens/s, time to first token and inter-token latency (p50/p99), the
 prefix-cache hit rate and preemptions for both, and the split's share of the in-process
 throughput (target: at least 85%). The split is started with `kvledger up` in a subprocess and
-driven over streaming HTTP; the baseline drives Scheduler + ModelRunner directly.
+driven over streaming HTTP; the baseline drives Scheduler + ModelRunner directly. Both run the
+same scheduling mode (`--scheduling`: async, the service's default, or lockstep), the rounds
+alternate which side goes first, every figure is the round's own (prefix-cache counters are
+read from the ledger before and after each round), and the rows printed are those of the round
+whose ratio is the median.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Workload:
 @dataclass
 class Report:
     mode: str
+    scheduling: str
     wall_s: float
     requests: int
     output_tokens: int
@@ -49,11 +54,15 @@ class Report:
     prefix_hits: int = 0
     preemptions: int = 0
 
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
     def row(self) -> list:
         return [
-            self.mode,
+            f"{self.mode}, {self.scheduling}",
             self.requests / self.wall_s,
-            self.output_tokens / self.wall_s,
+            self.tok_s,
             _ms(self.ttft_s, 50),
             _ms(self.ttft_s, 99),
             _ms(self.itl_s, 50),
@@ -112,6 +121,7 @@ def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            async_scheduling=args.scheduling == "async",
         ),
         manager,
     )
@@ -119,9 +129,13 @@ def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
     pending = deque(enumerate(zip(work.prompts, work.max_tokens, strict=True)))
     sent: dict[str, float] = {}
     last_token: dict[str, float] = {}
-    report = Report("in-process (no Redis)", 0.0, len(work.prompts), 0)
+    report = Report("in-process (no Redis)", args.scheduling, 0.0, len(work.prompts), 0)
+    # The ledger service's loop: with async scheduling step N+1 is scheduled (and, here, run)
+    # before step N's tokens are applied; the runner keeps what it sampled, as a worker does.
+    depth = 2 if args.scheduling == "async" else 1
+    in_flight: deque = deque()
     started = time.perf_counter()
-    while pending or scheduler.has_unfinished_requests():
+    while pending or in_flight or scheduler.has_unfinished_requests():
         while pending and scheduler.num_running + scheduler.num_waiting < args.concurrency:
             i, (prompt, max_tokens) = pending.popleft()
             rid = f"r{i}"
@@ -143,8 +157,16 @@ def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
                 )
             )
             sent[rid] = time.perf_counter()
-        out = scheduler.schedule()
-        sampled = runner.execute(build_step_message(out, "bench", args.block_size))
+        if len(in_flight) < depth and scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            if not out.is_empty:
+                step = build_step_message(out, "bench", args.block_size)
+                in_flight.append((out, runner.execute(step)))
+                if len(in_flight) < depth:
+                    continue
+        if not in_flight:
+            continue
+        out, sampled = in_flight.popleft()
         now = time.perf_counter()
         for update in scheduler.update_from_output(out, sampled):
             rid = update.request.request_id
@@ -167,12 +189,20 @@ def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
 # ---------------------------------------------------------------- the service split, over HTTP
 
 
+@dataclass
+class Split:
+    url: str  # the gateway
+    ledger_metrics: str  # the ledger's own /metrics: counters current to the step
+
+
 @contextlib.contextmanager
 def split_stack(args: argparse.Namespace):
-    """`kvledger up` in a subprocess, serving until the block ends; yields its base URL."""
-    port = free_port()
-    env = dict(os.environ, KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000")
+    """`kvledger up` in a subprocess, serving until the block ends."""
+    port, metrics_port = free_port(), free_port()
+    env = dict(os.environ, KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000",
+               KVLEDGER_ASYNC_SCHEDULING="1" if args.scheduling == "async" else "0")  # fmt: skip
     cmd = [sys.executable, "-m", "kvledger.cli", "up", "--port", str(port), "--device", "cpu", "--model", str(args.model),
+           "--metrics-port", str(metrics_port),
            "--num-gpu-blocks-override", str(args.num_blocks), "--kv-cache-memory-bytes", "512MiB",
            "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
@@ -183,18 +213,17 @@ def split_stack(args: argparse.Namespace):
                 break
         else:
             raise RuntimeError("kvledger up exited before serving")
-        yield f"http://127.0.0.1:{port}"
+        yield Split(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-async def run_split(base: str, work: Workload, args: argparse.Namespace) -> Report:
+async def run_split(split: Split, work: Workload, args: argparse.Namespace) -> Report:
     import aiohttp
 
-    report = Report(
-        f"service split (HTTP{' SSE' if args.stream else ''} + Redis)", 0.0, len(work.prompts), 0
-    )
+    mode = f"service split (HTTP{' SSE' if args.stream else ''} + Redis)"
+    report = Report(mode, args.scheduling, 0.0, len(work.prompts), 0)
     semaphore = asyncio.Semaphore(args.concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
 
@@ -210,7 +239,7 @@ async def run_split(base: str, work: Workload, args: argparse.Namespace) -> Repo
                 }
                 start = last = time.perf_counter()
                 first = True
-                async with session.post(f"{base}/v1/completions", json=body) as resp:
+                async with session.post(f"{split.url}/v1/completions", json=body) as resp:
                     resp.raise_for_status()
                     if not args.stream:
                         data = await resp.json()
@@ -238,23 +267,37 @@ async def run_split(base: str, work: Workload, args: argparse.Namespace) -> Repo
                         first, last = False, now
                         report.output_tokens += new
 
+        before = await _counters(session, split.ledger_metrics)
         started = time.perf_counter()
         await asyncio.gather(
             *(one(p, m) for p, m in zip(work.prompts, work.max_tokens, strict=True))
         )
         report.wall_s = time.perf_counter() - started
-        text = await (await session.get(f"{base}/metrics")).text()
-    report.prefix_queries = int(_metric(text, "vllm:prefix_cache_queries_total"))
-    report.prefix_hits = int(_metric(text, "vllm:prefix_cache_hits_total"))
-    report.preemptions = int(_metric(text, "vllm:num_preemptions_total"))
+        after = await _counters(session, split.ledger_metrics)
+    # The ledger runs for every round: its counters are cumulative, this round is the difference.
+    report.prefix_queries, report.prefix_hits, report.preemptions = (
+        int(a - b) for a, b in zip(after, before, strict=True)
+    )
     return report
+
+
+COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+)
+
+
+async def _counters(session, url: str) -> list[float]:
+    text = await (await session.get(url)).text()
+    return [_metric(text, name) for name in COUNTERS]
 
 
 def _metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    raise ValueError(f"the ledger's /metrics has no {name}")
 
 
 def make_small_checkpoint() -> str:
@@ -287,6 +330,12 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--scheduling",
+        choices=("async", "lockstep"),
+        default="async",
+        help="for both sides: async (two steps in flight, the service's default) or lockstep",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="rounds; the median ratio is reported"
     )
     parser.add_argument(
@@ -313,75 +362,59 @@ def main() -> int:
         f"{sum(map(len, work.prompts)):,} prompt tokens, {sum(work.max_tokens):,} output tokens",
         flush=True,
     )
-    baselines, splits = [], []
-    with split_stack(args) as base:
+    print(f"scheduling: {args.scheduling} on both sides", flush=True)
+    rounds: list[tuple[Report, Report]] = []
+    with split_stack(args) as split:
         for i in range(args.repeats):
             # Each round a fresh workload (its own prefixes): both modes start with a cold cache.
             work = make_workload(args.requests, args.seed + i, args.prompt_mean, args.output_mean,
                                  args.prefixes, args.prefix_len)  # fmt: skip
-            baselines.append(run_in_process(work, args))
-            splits.append(asyncio.run(run_split(base, work, args)))
-            r = (splits[-1].output_tokens / splits[-1].wall_s) / (
-                baselines[-1].output_tokens / baselines[-1].wall_s
+            # Alternate which side runs first, so neither always gets the warmer machine.
+            if i % 2 == 0:
+                baseline = run_in_process(work, args)
+                split_report = asyncio.run(run_split(split, work, args))
+            else:
+                split_report = asyncio.run(run_split(split, work, args))
+                baseline = run_in_process(work, args)
+            rounds.append((baseline, split_report))
+            print(
+                f"  round {i + 1}: split/in-process = {split_report.tok_s / baseline.tok_s:.1%}",
+                flush=True,
             )
-            print(f"  round {i + 1}: split/in-process = {r:.1%}", flush=True)
-    ratios = sorted(
-        (sp.output_tokens / sp.wall_s) / (b.output_tokens / b.wall_s)
-        for b, sp in zip(baselines, splits, strict=True)
-    )
-    median = len(ratios) // 2
-    order = sorted(range(len(splits)), key=lambda i: splits[i].output_tokens / splits[i].wall_s)
-    baseline, split = baselines[order[median]], splits[order[median]]
-    print(
-        format_table(
-            [
-                "mode",
-                "req/s",
-                "output tok/s",
-                "TTFT p50 ms",
-                "TTFT p99 ms",
-                "ITL p50 ms",
-                "ITL p99 ms",
-                "prefix hit rate",
-                "preemptions",
-            ],
-            [baseline.row(), split.row()],
-        )
-    )
+    ratios = [sp.tok_s / b.tok_s for b, sp in rounds]
+    # The median round: its ratio is the one reported, and its rows are the ones printed.
+    median = sorted(range(len(rounds)), key=ratios.__getitem__)[len(rounds) // 2]
+    baseline, split_report = rounds[median]
     ratio = ratios[median]
+    header = ["mode, scheduling", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
+              "ITL p50 ms", "ITL p99 ms", "prefix hit rate", "preemptions"]  # fmt: skip
+    print(f"\nround {median + 1} of {len(rounds)} (the median ratio):")
+    print(format_table(header, [baseline.row(), split_report.row()]))
     print(
         f"\nthe split keeps {ratio:.1%} of the in-process output throughput, median of "
         f"{len(ratios)} rounds {[f'{r:.1%}' for r in ratios]} (target: >= 85%)"
     )
     if args.json:
+        keys = ["mode", "req_s", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                "itl_p99_ms", "hit_rate", "preemptions"]  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
             json.dumps(
                 {
                     "args": vars(args) | {"json": str(args.json)},
                     "ratio": ratio,
+                    "round": median + 1,
+                    "ratios": ratios,
                     "in_process": asdict(baseline) | {"ttft_s": None, "itl_s": None},
-                    "split": asdict(split) | {"ttft_s": None, "itl_s": None},
+                    "split": asdict(split_report) | {"ttft_s": None, "itl_s": None},
                     "summary": {
-                        r.mode: dict(
-                            zip(
-                                [
-                                    "mode",
-                                    "req_s",
-                                    "tok_s",
-                                    "ttft_p50_ms",
-                                    "ttft_p99_ms",
-                                    "itl_p50_ms",
-                                    "itl_p99_ms",
-                                    "hit_rate",
-                                    "preemptions",
-                                ],
-                                r.row(),
-                                strict=True,
-                            )
-                        )
-                        for r in (baseline, split)
+                        r.mode: dict(zip(keys, r.row(), strict=True))
+                        for r in (baseline, split_report)
                     },
+                    "rounds": [
+                        {r.mode: dict(zip(keys, r.row(), strict=True)) for r in pair}
+                        for pair in rounds
+                    ],
                     "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 },
                 indent=2,
