@@ -86,8 +86,10 @@ class Generation:
         self.ended_by: BaseException | None = None  # an error the handler caught and answered
         self._enqueued = False
         self._queue: asyncio.Queue | None = None
+        self.replica: str | None = None  # routing's choice, on entry
 
     async def __aenter__(self) -> Generation:
+        self.replica = self.gw.routing.route(self.job)  # 503 here when every replica is out
         # Register before enqueueing: the first output may come back before XADD returns.
         self._queue = self.gw.outputs.register(self.req_id)
         if self.gw.closing:  # the shutdown broadcast may have gone out before registration
@@ -105,7 +107,7 @@ class Generation:
         # Set first: an XADD cut short (cancelled, or its reply lost) may still have landed.
         self._enqueued = True
         try:
-            await self.gw.send(request)
+            await self.gw.send(request, self.replica)
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, None)
             raise
@@ -132,7 +134,7 @@ class Generation:
         else:  # deltas() only returns early on a stop string
             reason = "stop_string" if self.stops.matched is not None else "gateway_error"
         if not self.tracker.finished:
-            await self.gw.abort(self.req_id, reason)
+            await self.gw.abort(self.req_id, reason, self.replica)
         self.finish_reason = self.finish_reason or (
             "error" if reason == "gateway_error" else "abort"
         )

@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from gateway.fields import ApiError
 from gateway.outputs import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
+from gateway.routing import GatewayRouting
 from observability import GatewayMetrics, LedgerSnapshot, get_logger, new_registry
 from services import transport, wire
 from services.config import GatewayConfig
@@ -47,16 +48,15 @@ class Gateway:
         self.tracer = tracer
         self.gateway_id = config.gateway_id or default_gateway_id()
         self.started_at = time.time()
-        self.streams = config.streams
         self.default_model_name = config.model_name or tokenizer.name
         self.registry = new_registry()
         self.metrics = GatewayMetrics(self.registry, self.default_model_name)
-        self.outputs = OutputDispatcher(
-            redis,
-            self.streams.outputs(self.gateway_id),
-            self.streams.dead_letters,
-            on_dead_letter=self.metrics.record_dead_letter,
+        # Which replica gets each request; its first replica's keys are the gateway's own.
+        self.routing = GatewayRouting(
+            config, redis, self.gateway_id, self.registry, tracer, self.metrics.record_dead_letter
         )
+        self.streams = self.routing.primary
+        self.outputs: OutputDispatcher = self.routing.outputs
         self.in_flight = 0
         self.closing = False
         self._status: LedgerStatus | None = None
@@ -70,8 +70,10 @@ class Gateway:
         now = time.monotonic()
         if now - self._status_read_at <= max_age_s:
             return self._status
-        data = cast("bytes | None", await self.redis.get(self.streams.ledger_status))
-        status = None
+        status = self.routing.live_status()
+        data = None
+        if self.routing.replica_set is None:
+            data = cast("bytes | None", await self.redis.get(self.streams.ledger_status))
         if data is not None:
             try:
                 status = wire.decode(data, LedgerStatus)
@@ -79,7 +81,8 @@ class Gateway:
                 log.warning(
                     "ledger_status_unreadable", key=self.streams.ledger_status, error=str(exc)
                 )
-        if status is not None and status.metrics:
+        # One ledger's counters only mean something when there is one ledger.
+        if status is not None and status.metrics and self.routing.replica_set is None:
             self.metrics.mirror_ledger(LedgerSnapshot.from_dict(status.metrics))
         self._status, self._status_read_at = status, now
         return status
@@ -169,19 +172,20 @@ class Gateway:
                 503, "the gateway is shutting down", err_type="service_unavailable_error"
             )
 
-    async def send(self, msg: Any) -> None:
-        await transport.append(self.redis, self.streams.requests, msg)
+    async def send(self, msg: Any, replica: str | None = None) -> None:
+        """To the requests stream of `replica` (routing's choice; None: the first replica)."""
+        await transport.append(self.redis, self.routing.requests_stream(replica), msg)
 
-    async def abort(self, req_id: str, reason: str) -> None:
+    async def abort(self, req_id: str, reason: str, replica: str | None = None) -> None:
         """Tell the ledger to free the request's blocks; survives the caller being cancelled."""
-        task = asyncio.create_task(self._send_abort(req_id, reason))
+        task = asyncio.create_task(self._send_abort(req_id, reason, replica))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
         await asyncio.shield(task)
 
-    async def _send_abort(self, req_id: str, reason: str) -> None:
+    async def _send_abort(self, req_id: str, reason: str, replica: str | None) -> None:
         try:
-            await self.send(AbortRequest(req_id, reason))
+            await self.send(AbortRequest(req_id, reason), replica)
             log.info("request_aborted", req_id=req_id, reason=reason)
         except (RedisError, OSError) as exc:
             log.error("abort_not_sent", req_id=req_id, reason=reason, error=str(exc))
@@ -191,6 +195,7 @@ class Gateway:
     async def start(self) -> None:
         try:
             await self.outputs.start()
+            await self.routing.start()
         except RedisError as exc:
             raise RuntimeError(
                 f"the gateway cannot reach Redis ({exc}); check --redis-url / KVLEDGER_REDIS_URL"
@@ -206,5 +211,6 @@ class Gateway:
     async def stop(self) -> None:
         self.closing = True
         await self.outputs.stop()
+        await self.routing.stop()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=5)

@@ -1,7 +1,8 @@
 """`kvledger up`: the whole system on this machine, with embedded defaults.
 
 Starts a private redis-server on a free loopback port (unless --redis-url is given), then the
-ledger, one worker and the gateway as child processes; waits until the ledger has sized its pool,
+ledger, one worker and the gateway as child processes (with --replicas N: a ledger and a worker
+per replica r0..rN-1, and one gateway routing across them); waits until the ledger has sized its pool,
 prints the capacity line, the URL and a curl example, and stops everything it started on Ctrl-C.
 """
 
@@ -91,7 +92,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "env KVLEDGER_MODEL_NAME)",
     )
     p.add_argument(
-        "--metrics-port", type=int, default=0, help="ledger Prometheus port (0: a free one)"
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas to start, each a ledger and a worker with its own KV cache, named "
+        "r0..rN-1; the gateway routes across them (default: 1, named default)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=("round_robin", "least_loaded", "approx", "precise"),
+        default=None,
+        help="the gateway's routing across replicas (default: precise; env KVLEDGER_ROUTING)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="ledger Prometheus port (0: a free one; replica i of several uses this + i)",
     )
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for the ledger"
@@ -120,6 +137,7 @@ def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> d
         "KVLEDGER_HASH_ALGO": args.hash_algo,
         "KVLEDGER_ASYNC_SCHEDULING": args.async_scheduling,
         "KVLEDGER_MODEL_NAME": args.served_model_name,
+        "KVLEDGER_ROUTING": args.routing,
     }
     env.update({k: str(v) for k, v in flags.items() if v is not None})
     if not env.get("KVLEDGER_KV_CACHE_MEMORY_BYTES") and not _cuda_wanted(
@@ -153,9 +171,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 2
         redis_url = server.url
         print(f"kvledger up: private redis-server at {redis_url}", flush=True)
-    metrics_port = args.metrics_port or free_port()
+    if args.replicas < 1:
+        print(f"kvledger up: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    replicas = replica_names(args.replicas)
+    ports = [(args.metrics_port + i) if args.metrics_port else free_port() for i in replicas]
+    metrics_port = ports[0]
     env = _child_env(args, redis_url, metrics_port)
     children: dict[str, subprocess.Popen] = {}
+    prefix = env.get("KVLEDGER_STREAM_PREFIX", "kvl")
     stopping = False
 
     def stop(*_: object) -> None:
@@ -164,14 +188,25 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        for role in ("ledger", "worker", "gateway"):
-            children[role] = subprocess.Popen([sys.executable, "-m", "kvledger.cli", role], env=env)
-        status = _wait_for_ledger(
-            redis_url, env.get("KVLEDGER_STREAM_PREFIX", "kvl"), children, args.startup_timeout
-        )
-        if status is None:
-            return 1
+        for role, child_env in _roles(env, replicas, ports):
+            command = [sys.executable, "-m", "kvledger.cli", role.split("-")[0]]
+            children[role] = subprocess.Popen(command, env=child_env)
+        status = None
+        for name in replicas:
+            status = _wait_for_ledger(
+                redis_url, StreamNames(prefix, name), children, args.startup_timeout
+            )
+            if status is None:
+                return 1
+        assert status is not None
         _banner(status, args.host, args.port, metrics_port)
+        if len(replicas) > 1:
+            print(
+                f"kvledger up: {len(replicas)} replicas ({', '.join(replicas)}; ledger metrics "
+                f"on ports {', '.join(map(str, ports))}), routing "
+                f"{env.get('KVLEDGER_ROUTING', 'precise')}",
+                flush=True,
+            )
         while not stopping:
             for role, child in children.items():
                 if child.poll() is not None:
@@ -190,8 +225,27 @@ def cmd_up(args: argparse.Namespace) -> int:
             server.stop()
 
 
+def replica_names(count: int) -> list[str]:
+    """One replica keeps the name every service defaults to; several are r0..rN-1."""
+    return ["default"] if count == 1 else [f"r{i}" for i in range(count)]
+
+
+def _roles(
+    env: dict[str, str], replicas: list[str], ports: list[int]
+) -> list[tuple[str, dict[str, str]]]:
+    """(child name, its environment): a ledger and a worker per replica, then the gateway."""
+    roles = []
+    several = len(replicas) > 1
+    for name, port in zip(replicas, ports, strict=True):
+        replica_env = {**env, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(port)}
+        suffix = f"-{name}" if several else ""
+        roles += [(f"ledger{suffix}", replica_env), (f"worker{suffix}", replica_env)]
+    gateway_env = {**env, "KVLEDGER_REPLICA": replicas[0], "KVLEDGER_REPLICAS": ",".join(replicas)}
+    return [*roles, ("gateway", gateway_env)]
+
+
 def _wait_for_ledger(
-    url: str, prefix: str, children: dict[str, subprocess.Popen], timeout: float
+    url: str, streams: StreamNames, children: dict[str, subprocess.Popen], timeout: float
 ) -> LedgerStatus | None:
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + timeout
@@ -204,13 +258,17 @@ def _wait_for_ledger(
                         file=sys.stderr,
                     )
                     return None
-            data = cast("bytes | None", client.get(StreamNames(prefix).ledger_status))
+            data = cast("bytes | None", client.get(streams.ledger_status))
             if data:
                 return wire.decode(data, LedgerStatus)
             time.sleep(0.2)
     finally:
         client.close()
-    print(f"kvledger up: the ledger did not come up within {timeout:.0f}s", file=sys.stderr)
+    print(
+        f"kvledger up: the ledger of replica {streams.replica} did not come up within "
+        f"{timeout:.0f}s",
+        file=sys.stderr,
+    )
     return None
 
 
@@ -232,11 +290,11 @@ def _banner(status: LedgerStatus, host: str, port: int, metrics_port: int) -> No
 
 
 def _stop_children(children: dict[str, subprocess.Popen]) -> None:
-    # The gateway first (it aborts in-flight requests), the ledger last.
-    for role in ("gateway", "worker", "ledger"):
-        child = children.get(role)
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+    # The gateway first (it aborts in-flight requests), the ledgers last.
+    for kind in ("gateway", "worker", "ledger"):
+        for role, child in children.items():
+            if role.split("-")[0] == kind and child.poll() is None:
+                child.send_signal(signal.SIGTERM)
     for child in children.values():
         try:
             child.wait(timeout=15)

@@ -38,6 +38,7 @@ class SpanName:
     PREEMPT = "kvledger.preempt"
     EVICT = "kvledger.evict"  # in the trace of the request whose allocation evicted
     STEP = "kvledger.step"  # one per scheduler step on the worker, linked to its requests
+    ROUTE = "kvledger.route"  # the gateway's choice of replica, with every replica's score
 
 
 class Attr:
@@ -59,6 +60,15 @@ class Attr:
     REQUEST_ID = "kvledger.request_id"
     PREFIX_HIT_TOKENS = "kvledger.prefix_hit.tokens"
     PREFIX_HIT_BLOCKS = "kvledger.prefix_hit.blocks"
+    # kvledger.route: the decision, then every replica's score as parallel arrays in one order
+    ROUTE_POLICY = "kvledger.route.policy"
+    ROUTE_REPLICA = "kvledger.route.replica"
+    ROUTE_CACHED_TOKENS = "kvledger.route.cached_tokens"  # the chosen replica's expected hit
+    ROUTE_REPLICAS = "kvledger.route.replicas"
+    ROUTE_HEALTH = "kvledger.route.health"
+    ROUTE_REPLICA_CACHED_TOKENS = "kvledger.route.replica_cached_tokens"
+    ROUTE_LOAD_COSTS = "kvledger.route.load_costs"
+    ROUTE_COSTS = "kvledger.route.costs"
     BLOCKS_ALLOCATED = "kvledger.blocks_allocated"
     FREE_BLOCKS_AFTER = "kvledger.free_blocks_after"
     WATERMARK_APPLIED = "kvledger.watermark_applied"

@@ -18,6 +18,9 @@ C = TypeVar("C")
 ENV_VARS: dict[str, str] = {
     "KVLEDGER_REDIS_URL": "Redis URL shared by every service (default: a private redis-server)",
     "KVLEDGER_REPLICA": "this replica's name, a hash tag in its keys (default default)",
+    "KVLEDGER_REPLICAS": "the gateway's replicas to route across, comma-separated (default: its own)",
+    "KVLEDGER_ROUTING": "gateway routing: round_robin, least_loaded, approx or precise (default precise)",
+    "KVLEDGER_ROUTING_WEIGHTS": "routing costs in prefill tokens, e.g. prefix=1,running=32,waiting=512,kv_usage=1024",
     "KVLEDGER_STREAM_PREFIX": "prefix of every Redis key kvledger uses (default kvl)",
     "KVLEDGER_LOG_LEVEL": "log level: debug, info, warning, error (default info)",
     "KVLEDGER_LOG_FORMAT": "json or console (default: console on a terminal, else json)",
@@ -369,6 +372,23 @@ class GatewayConfig(CommonConfig, EngineShape):
         None, 4 * 1024 * 1024, "largest request body accepted (413 above)", int
     )
     default_max_tokens: int = _opt(None, 16, "max_tokens of a completion that sets none", int)
+    replicas: str | None = _opt(
+        "KVLEDGER_REPLICAS",
+        None,
+        "replicas to route across, comma-separated (default: --replica alone)",
+    )
+    routing: str = _opt(
+        "KVLEDGER_ROUTING",
+        "precise",
+        "routing policy across replicas: round_robin, least_loaded, approx or precise",
+        lambda text: _choice(text, ("round_robin", "least_loaded", "approx", "precise")),
+    )
+    routing_weights: str | None = _opt(
+        "KVLEDGER_ROUTING_WEIGHTS",
+        None,
+        "routing costs in prefill tokens, e.g. waiting=256,kv_usage=2048 (default "
+        "prefix=1,running=32,waiting=512,kv_usage=1024)",
+    )
 
     @property
     def api_key(self) -> str | None:
