@@ -25,6 +25,22 @@ Forward = Callable[[torch.Tensor, torch.Tensor, "AttentionPlan"], torch.Tensor]
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def graph_bucket(
+    num_seqs: int,
+    num_tokens: int,
+    max_query_len: int,
+    table_width: int,
+    max_blocks_per_seq: int,
+    buckets: tuple[int, ...] = BUCKETS,
+) -> int | None:
+    """The smallest bucket >= num_seqs for a decode step (one token per sequence) whose block
+    table fits the graphs' static one; None (run eagerly) for anything else."""
+    decode = max_query_len == 1 and num_tokens == num_seqs
+    if not decode or not 0 < num_seqs <= buckets[-1] or table_width > max_blocks_per_seq:
+        return None
+    return buckets[bisect.bisect_left(buckets, num_seqs)]
+
+
 class DecodeGraphs:
     """The graphs of one model's decode steps on one device."""
 
@@ -58,13 +74,10 @@ class DecodeGraphs:
 
     def bucket_for(self, plan: AttentionPlan, num_tokens: int) -> int | None:
         """The bucket that runs this step, or None when it must run eagerly."""
-        num_seqs = plan.seq_lens.numel()
-        decode = plan.max_query_len == 1 and num_tokens == num_seqs
-        if not decode or num_seqs == 0 or num_seqs > self.buckets[-1]:
-            return None
-        if plan.block_tables.shape[1] > self.max_blocks_per_seq:
-            return None
-        return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
+        return graph_bucket(
+            plan.seq_lens.numel(), num_tokens, plan.max_query_len, plan.block_tables.shape[1],
+            self.max_blocks_per_seq, self.buckets,
+        )  # fmt: skip
 
     def run(
         self, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan
