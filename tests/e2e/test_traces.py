@@ -26,7 +26,12 @@ def token_prompts(n: int, length: int, seed: int, shared: int = 0) -> list[list[
 
 
 async def complete(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, stream: bool
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    stream: bool,
+    first_token: asyncio.Event | None = None,
 ) -> dict:
     body = {
         "prompt": prompt,
@@ -51,6 +56,8 @@ async def complete(
                 for choice in chunk["choices"]:
                     out["choices"][0]["token_ids"] += choice.get("token_ids") or []
                     out["choices"][0]["text"] += choice.get("text", "")
+                if first_token is not None and out["choices"][0]["token_ids"]:
+                    first_token.set()
                 if chunk.get("usage"):
                     out["usage"] = chunk["usage"]
         return out
@@ -77,12 +84,19 @@ def traced_run():
                         for i, p in enumerate(token_prompts(4, 60, seed=1, shared=32))
                     )
                 )
-                wave2 = await asyncio.gather(
-                    *(
-                        complete(session, served.url, p, 30, stream=False)
-                        for p in token_prompts(4, 70, seed=2)
-                    )
+                # Wave 2 must preempt whatever the timing: a long "anchor" request is already
+                # decoding (it has 80 tokens to go) when three 70-token prompts are admitted
+                # beside it; all four grow to 7 blocks, 28 > the pool's 23.
+                started = asyncio.Event()
+                anchor_prompt, *others = token_prompts(4, 70, seed=2)
+                anchor = asyncio.create_task(
+                    complete(session, served.url, anchor_prompt[:30], 80, True, started)
                 )
+                await asyncio.wait_for(started.wait(), 120)
+                wave2 = await asyncio.gather(
+                    *(complete(session, served.url, p, 30, stream=False) for p in others)
+                )
+                wave2.append(await anchor)
                 await asyncio.sleep(
                     1.5
                 )  # the ledger refreshes its status (mirrored metrics) every second

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import msgpack
 
@@ -125,8 +126,7 @@ async def test_malformed_and_invalid_entries_are_dead_lettered_and_serving_goes_
             sum(1 for _, f in dead if f[b"source_stream"] == streams.steps("default").encode()) == 1
         )
         # Nothing is left pending: every entry was acked.
-        pending = await r.xpending(streams.requests, "ledger")
-        assert pending["pending"] == 0
+        assert await settled_pending(stack) == 0
     finally:
         await stack.stop()
 
@@ -222,7 +222,7 @@ async def test_requests_left_pending_by_another_ledger_are_claimed_and_served(
     try:
         result = (await stack.wait(["orphan"]))["orphan"]
         assert result.tokens == dense_greedy(tiny_model, prompt, 5)
-        assert (await stack.r.xpending(stack.streams.requests, "ledger"))["pending"] == 0
+        assert await settled_pending(stack) == 0
     finally:
         await stack.stop()
 
@@ -244,9 +244,21 @@ async def test_a_restarted_ledger_reruns_its_unfinished_requests_to_the_same_tok
         for i, prompt in enumerate(batch):
             # Re-run from scratch: the repeats are dropped by position, nothing is lost or doubled.
             assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 40)
-        assert (await stack.r.xpending(stack.streams.requests, "ledger"))["pending"] == 0
+        assert await settled_pending(stack) == 0
     finally:
         await stack.stop()
+
+
+async def settled_pending(stack: Stack, timeout_s: float = 10.0) -> int:
+    """Entries left pending on the requests stream once the ledger's acks have landed. The
+    ledger acks a request after appending its final output, so a client may read that output
+    a moment before the ack: poll (bounded) instead of reading the count once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = (await stack.r.xpending(stack.streams.requests, "ledger"))["pending"]
+        if pending == 0 or time.monotonic() > deadline:
+            return pending
+        await asyncio.sleep(0.05)
 
 
 async def test_two_workers_in_a_group_run_the_same_steps_and_agree(redis_url, tiny_model):
