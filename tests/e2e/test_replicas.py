@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from services.redis_server import free_port
 from services.tokenizer import ByteTokenizer
 from tests.e2e.conftest import launch, serving
 
@@ -40,8 +41,17 @@ def test_a_repeated_prefix_lands_on_the_replica_that_holds_it():
         "a": "Replica routing sends a prompt where its prefix already sits in the KV cache. " * 2,
         "b": "A second tenant has another long system prompt that no replica has seen yet!! " * 2,
     }
-    stack = launch("default", num_gpu_blocks=40, max_model_len=256, extra_args=("--replicas", "2"))
+    metrics_port = free_port()  # replica i serves its metrics on metrics_port + i
+    stack = launch(
+        "default",
+        num_gpu_blocks=40,
+        max_model_len=256,
+        extra_args=("--replicas", "2", "--metrics-port", str(metrics_port)),
+    )
     with serving(stack) as (served,):
+        for port in (metrics_port, metrics_port + 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+                assert b"kvledger" in reply.read()
         replies = [(name, _complete(served.url, prompts[name])) for name in "aabb"]
         with urllib.request.urlopen(f"{served.url}/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
