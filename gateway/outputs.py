@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import cast
 
@@ -15,6 +16,7 @@ from redis.exceptions import RedisError
 
 from observability import get_logger
 from services import transport, wire
+from services.config import OUTPUTS_TTL_S
 from services.messages import OutputBatch, RequestOutput, TokenLogprobs
 
 log = get_logger("gateway.outputs")
@@ -126,8 +128,14 @@ class OutputDispatcher:
 
     async def _run(self) -> None:
         backoff = 0.1
+        refreshed = 0.0
         while True:
             try:
+                if time.monotonic() - refreshed > OUTPUTS_TTL_S / 10:
+                    # The stream expires once no reader refreshes it (and the ledger stops
+                    # writing): a restarted gateway's old stream does not stay behind.
+                    await self.redis.expire(self.stream, OUTPUTS_TTL_S)
+                    refreshed = time.monotonic()
                 entries = await transport.read_from(
                     self.redis, self.stream, self._last_id, block_ms=self.block_ms
                 )

@@ -66,11 +66,14 @@ class WorkerService:
             detail=profile.describe() if profile else "",
         )
         self.steps_done = 0
+        self.leader_token = 0  # the highest ledger fencing token seen on a step
 
     async def run(self) -> None:
         with contextlib.suppress(aioredis.ResponseError):
             await self.r.xgroup_destroy(self.steps_stream, self.reader.group)
         await self.reader.ensure_groups("$")
+        # Fencing survives a worker restart: steps of leaders older than the current one stay dropped.
+        self.leader_token = int(await self.r.get(self.cfg.streams.leader_token) or 0)
         await registry.register(self.r, self.cfg.streams, self.hello, self.cfg.ttl_s)
         log.info(
             "worker_registered",
@@ -119,6 +122,14 @@ class WorkerService:
                 log.info("worker_shutdown", reason=msg.reason)
                 await self.reader.ack([entry])
                 return
+            if msg.leader_token < self.leader_token:
+                # A deposed ledger (paused past its lease) still stepping: its step would reset
+                # the state the new leader built. No result: that ledger must not progress.
+                log.warning("stale_leader_step", step_id=msg.step_id, fence=msg.leader_token,
+                            highest_fence=self.leader_token)  # fmt: skip
+                await self.reader.ack([entry])
+                continue
+            self.leader_token = msg.leader_token
             result = await self._execute(msg)
             entries.extend(await self._reply(entry, result, read_next=not entries))
 
@@ -174,6 +185,7 @@ class WorkerService:
             prompt_logprobs=output.prompt_logprobs or None,
             execute_seconds=elapsed,
             error=error,
+            leader_token=step.leader_token,
         )
 
     def _trace_step(self, step: StepMessage, start_ns: int, error: str | None) -> None:

@@ -45,6 +45,7 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_HASH_ALGO": "sha256, sha256_cbor, xxhash or xxhash_cbor (default sha256)",
     "KVLEDGER_NUM_WORKERS": "workers the ledger waits for before it sizes the pool (default 1)",
     "KVLEDGER_WORKER_ID": "this worker's id (default: host name and pid)",
+    "KVLEDGER_KV_EVENTS_MAX_MB": "Redis memory the KV-events stream may take, in MB (default 256)",
     "KVLEDGER_METRICS_PORT": "port of the ledger's Prometheus endpoint (default 9100, 0 = off)",
     "KVLEDGER_REQUEST_TIMEOUT": "seconds a request may take before the gateway aborts it (default 600)",
     "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
@@ -105,6 +106,12 @@ def parse_bytes(text: str | int) -> int:
     return int(float(number) * _UNITS[unit])
 
 
+# A gateway's outputs stream lives this long after the ledger last wrote to it or its reader
+# last refreshed it: the streams of gateways that restarted (a new id each start) or never
+# existed (a request naming an unknown gateway) go away on their own.
+OUTPUTS_TTL_S = 600
+
+
 @dataclass(slots=True)
 class StreamNames:
     """Every Redis key of one replica (a ledger and its workers): `{prefix}:{{{replica}}}:...`.
@@ -142,10 +149,21 @@ class StreamNames:
     def ledger_status(self) -> str:
         return f"{self.base}:ledger:status"
 
+    @property
+    def leader(self) -> str:
+        """The ledger lease: who leads this replica (ledger.service.leadership)."""
+        return f"{self.base}:ledger:leader"
+
+    @property
+    def leader_token(self) -> str:
+        """The leaders' fencing counter: each new leader's token is above every earlier one."""
+        return f"{self.base}:ledger:leader-token"
+
     def steps(self, group: str) -> str:
         return f"{self.base}:steps:{group}"
 
     def outputs(self, gateway_id: str) -> str:
+        """A gateway's outputs stream; it expires OUTPUTS_TTL_S after the last write or read."""
         return f"{self.base}:outputs:{gateway_id}"
 
     def worker(self, group: str, worker_id: str) -> str:
@@ -302,8 +320,14 @@ class LedgerConfig(CommonConfig, EngineShape):
         None, 6.0, "seconds without a worker heartbeat before it counts as lost", float
     )
     snapshot_interval_s: float = _opt(None, 1.0, "seconds between KV-event snapshots", float)
-    events_maxlen: int = _opt(
-        None, 1_000_000, "approximate length kept of the KV-events stream", int
+    leader_ttl_s: float = _opt(
+        None, 5.0, "seconds a leader's lease lasts unrenewed; a standby takes over after it", float
+    )
+    kv_events_max_mb: float = _opt(
+        "KVLEDGER_KV_EVENTS_MAX_MB",
+        256.0,
+        "Redis memory the KV-events stream may take, in MB (its MAXLEN follows the entry size)",
+        float,
     )
 
 

@@ -112,6 +112,9 @@ class StepMessage(Message, tag="step"):
     preempted_req_ids: list[str]  # preempted since the last step: drop their state
     block_size: int
     sent_at: float = 0.0
+    # The leader's fencing token (ledger.service.leadership): workers drop steps whose token is
+    # below the highest they have seen, so a deposed leader cannot step them.
+    leader_token: int = 0
 
 
 class WorkerShutdown(Message, tag="worker_shutdown"):
@@ -145,6 +148,7 @@ class StepResult(Message, tag="result"):
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # for the requests that ask
     execute_seconds: float = 0.0
     error: str | None = None  # set when the worker could not run the step
+    leader_token: int = 0  # the step's token, echoed: the ledger drops results of another
 
 
 class RequestOutput(Record):

@@ -24,6 +24,7 @@ from ledger.core.kv_cache_manager import KVCacheManager
 from ledger.core.request import Request, RequestStatus
 from ledger.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from ledger.service.event_stream import KVEventStream
+from ledger.service.leadership import Leadership
 from ledger.service.step_results import StepResults
 from ledger.service.telemetry import LedgerTelemetry
 from ledger.service.translate import (
@@ -38,7 +39,7 @@ from ledger.service.translate import (
 from ledger.service.workers import membership_changes, plan_pool
 from observability import LedgerMetrics, get_logger, new_registry
 from services import registry, transport
-from services.config import LedgerConfig
+from services.config import OUTPUTS_TTL_S, LedgerConfig
 from services.messages import (
     AbortRequest,
     GenerateRequest,
@@ -52,7 +53,9 @@ from services.wire import WireError, encode, kind_of
 
 log = get_logger("kvledger.ledger")
 
-CONSUMER = "ledger"  # one ledger per group: a fixed name lets a restart re-read its pending entries
+# One ledger leads a replica (the lease in `leadership`): a fixed consumer name lets a restarted
+# or standby ledger that takes over re-read the requests its predecessor had not finished.
+CONSUMER = "ledger"
 
 
 class LedgerService:
@@ -69,9 +72,11 @@ class LedgerService:
         self.ready = asyncio.Event()
         self.intake: asyncio.Queue[transport.Entry] = asyncio.Queue()
         self.intake_event = asyncio.Event()
+        self.leadership = Leadership(r, self.streams, config.leader_ttl_s)
         self.step_results = StepResults(
-            r, self.streams.results, lambda: self.epoch, self._dead_letter
-        )
+            r, self.streams.results, lambda: self.epoch, self._dead_letter,
+            leader_token=lambda: self.leadership.token,
+        )  # fmt: skip
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
         # The last step's results, sent to the gateways while the workers run the next step.
@@ -87,7 +92,7 @@ class LedgerService:
         self.model_name = ""
         self.capacity = ""
         self.events = KVEventStream(
-            r, self.streams, maxlen=config.events_maxlen, snapshot_interval_s=config.snapshot_interval_s,
+            r, self.streams, max_bytes=int(config.kv_events_max_mb * 1e6), snapshot_interval_s=config.snapshot_interval_s,
             block_size=config.block_size, hash_algo=config.hash_algo,
         )  # fmt: skip
 
@@ -98,6 +103,17 @@ class LedgerService:
     # ------------------------------------------------------------------ start-up
 
     async def run(self) -> None:
+        await self.leadership.acquire(self.stopping)
+        lease = asyncio.create_task(self.leadership.renew_forever(), name="lease")
+        lease.add_done_callback(self._background_done)
+        try:
+            await self._lead()
+        finally:
+            lease.cancel()
+            await asyncio.gather(lease, return_exceptions=True)
+            await self.leadership.release()
+
+    async def _lead(self) -> None:
         await self.requests_reader.ensure_groups("0")
         # Results from before this start belong to a previous epoch: skip them. Results need
         # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
@@ -125,8 +141,9 @@ class LedgerService:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._write_snapshot()
-            await self.r.delete(self.streams.ledger_status)
+            if self.leadership.held():  # a deposed leader leaves the keys to its successor
+                await self._write_snapshot()
+                await self.r.delete(self.streams.ledger_status)
 
     def _background_done(self, task: asyncio.Task) -> None:
         # A reader that dies would leave the engine waiting forever: stop loudly instead, so
@@ -154,7 +171,7 @@ class LedgerService:
                 )
                 announced = time.monotonic()
             await asyncio.sleep(0.2)
-        raise asyncio.CancelledError
+        raise self.crashed or asyncio.CancelledError()
 
     def _start_engine(self, hellos: list[WorkerHello]) -> None:
         cfg = self.cfg
@@ -212,6 +229,7 @@ class LedgerService:
         depth = 2 if self.cfg.async_scheduling else 1
         in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = collections.deque()
         while not self.stopping.is_set():
+            self.leadership.check()
             await self._drain_intake()
             if self.membership_changed:
                 in_flight.clear()  # their results belong to the old epoch
@@ -228,11 +246,11 @@ class LedgerService:
             if len(in_flight) < depth and self.workers and scheduler.has_unfinished_requests():
                 out = scheduler.schedule()
                 if not out.is_empty:
+                    step = build_step_message(out, self.epoch, self.cfg.block_size)
+                    step.leader_token = self.leadership.token
+                    self.leadership.check()  # a leader paused past its lease stops here
                     await transport.append(
-                        self.r,
-                        self.streams.steps(self.cfg.group),
-                        build_step_message(out, self.epoch, self.cfg.block_size),
-                        maxlen=10_000,
+                        self.r, self.streams.steps(self.cfg.group), step, maxlen=10_000
                     )
                     in_flight.append((out, time.monotonic()))
                 # While the workers compute: spans, KV events, the last tokens, metrics.
@@ -277,6 +295,7 @@ class LedgerService:
         assert (
             self.scheduler is not None and self.manager is not None and self.telemetry is not None
         )
+        self.leadership.check()  # the step failed because a successor took the workers over
         self.membership_changed = False
         preemptions = self.scheduler.preempt_all(reason="worker_lost")
         out: SchedulerOutput[Tracked] = SchedulerOutput(
@@ -352,6 +371,7 @@ class LedgerService:
         updates, self.unsent = self.unsent, []
         if not updates:
             return
+        self.leadership.check()  # a deposed leader's tokens would race its successor's
         by_gateway: dict[str, list[RequestOutput]] = {}
         for update in updates:
             out = request_output(update.request, update.new_token_ids, update.finish_reason)
@@ -365,6 +385,7 @@ class LedgerService:
                     maxlen=100_000,
                     approximate=True,
                 )
+                pipe.expire(self.streams.outputs(gateway_id), OUTPUTS_TTL_S)
             await pipe.execute()
         for update in updates:
             if update.finished:
@@ -383,7 +404,9 @@ class LedgerService:
             await self.requests_reader.ack([tracked.entry])
 
     async def _send(self, gateway_id: str, out: RequestOutput) -> None:
-        await transport.append(self.r, self.streams.outputs(gateway_id), OutputBatch(outputs=[out]))
+        stream = self.streams.outputs(gateway_id)
+        await transport.append(self.r, stream, OutputBatch(outputs=[out]))
+        await self.r.expire(stream, OUTPUTS_TTL_S)
 
     async def _dead_letter(self, entry: transport.Entry, error: str) -> None:
         await transport.dead_letter(self.r, self.streams.dead_letters, entry, error)
@@ -396,6 +419,7 @@ class LedgerService:
 
     async def _publish_events(self, events: list) -> None:
         assert self.manager is not None and self.events is not None
+        self.leadership.check()  # KV events and snapshots belong to the leader's block pool
         published = await self.events.publish(events, self.manager.block_pool, self.epoch)
         if published and self.metrics is not None:
             self.metrics.record_kv_events(published)
@@ -436,6 +460,8 @@ class LedgerService:
         return {w: h.attention_backend for w, h in sorted(self.workers.items())}
 
     async def _write_status(self) -> None:
+        if not self.leadership.held():
+            return  # the status key is the leader's
         scheduler = self.scheduler
         status = LedgerStatus(
             epoch=self.epoch,

@@ -3,6 +3,10 @@
 Each batch is one stream entry (field `batch`, vLLM's bytes). The snapshot of the cached blocks
 is written right after a batch by the only writer of the stream, so it is exactly the state as
 of that entry's id: a subscriber loads it and reads the stream from that id on.
+
+The stream is capped by memory, not by a count: entries vary in size (a batch of one removal
+is tens of bytes, a long prefill's stored blocks kilobytes), so the MAXLEN of each XADD is the
+budget divided by the average entry seen so far (payload plus Redis' per-entry overhead).
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ from ledger.core.events import KVCacheEvent, KVEventBatch, encode_batch
 from ledger.core.hashing import to_event_hash
 from services.config import StreamNames
 
+# Before the first entry: the size measured under load (a few stored blocks per batch).
+ASSUMED_ENTRY_BYTES = 1900
+# Redis' own cost per stream entry (id, field name, listpack bookkeeping), measured with
+# MEMORY USAGE (tests/services/test_redis_bounds.py: ~440 bytes per ~330-byte entry).
+ENTRY_OVERHEAD_BYTES = 110
+MIN_MAXLEN = 1000  # subscribers catching up need some history, whatever the budget
+
 
 class KVEventStream:
     def __init__(
@@ -25,20 +36,28 @@ class KVEventStream:
         r: aioredis.Redis,
         streams: StreamNames,
         *,
-        maxlen: int,
+        max_bytes: int,
         snapshot_interval_s: float,
         block_size: int,
         hash_algo: str,
     ) -> None:
         self.r = r
         self.streams = streams
-        self.maxlen = maxlen
+        self.max_bytes = max_bytes
+        self._entry_bytes = 0  # payload bytes of every entry published, for the average
         self.snapshot_interval_s = snapshot_interval_s
         self.block_size = block_size
         self.hash_algo = hash_algo
         self.last_id: bytes | None = None
         self.published = 0
+        self.batches = 0
         self._last_snapshot = 0.0
+
+    @property
+    def maxlen(self) -> int:
+        """Entries that fit the memory budget at the average entry size so far."""
+        average = self._entry_bytes / self.batches if self.batches else ASSUMED_ENTRY_BYTES
+        return max(MIN_MAXLEN, int(self.max_bytes / (average + ENTRY_OVERHEAD_BYTES)))
 
     async def publish(self, events: list[KVCacheEvent], pool: BlockPool, epoch: str) -> int:
         """Append one batch (nothing when there are no events); returns how many events."""
@@ -51,6 +70,8 @@ class KVEventStream:
                 self.streams.events, {b"batch": batch}, maxlen=self.maxlen, approximate=True
             ),
         )
+        self.batches += 1
+        self._entry_bytes += len(batch)
         self.published += len(events)
         if time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
             await self.write_snapshot(pool, epoch)

@@ -17,13 +17,18 @@ def metrics_app(service: LedgerService) -> web.Application:
     app = web.Application()
 
     async def health(_: web.Request) -> web.Response:
+        if service.leadership.standing_by:
+            # Alive and ready to take over: a supervisor must not restart a standby.
+            standby = {"status": "standby", "leader": service.leadership.leader_seen}
+            return web.json_response(standby)
         if not service.ready.is_set():
             return web.json_response({"status": "waiting_for_workers"}, status=503)
         workers = {
             w: {"device": h.device, "attention_backend": h.attention_backend}
             for w, h in sorted(service.workers.items())
         }
-        body = {"status": "ok", "epoch": service.epoch, "capacity": service.capacity}
+        body: dict[str, object] = {"status": "ok", "epoch": service.epoch}
+        body.update(capacity=service.capacity, leader_token=service.leadership.token)
         return web.json_response({**body, "workers": workers})
 
     async def metrics(request: web.Request) -> web.StreamResponse:

@@ -30,11 +30,13 @@ class StepResults:
         stream: str,
         epoch: Callable[[], str],
         dead_letter: Callable[[transport.Entry, str], Awaitable[None]],
+        leader_token: Callable[[], int] = lambda: 0,
     ) -> None:
         self.r = r
         self.stream = stream
         self.epoch = epoch
         self.dead_letter = dead_letter
+        self.leader_token = leader_token
         self.results: dict[int, dict[str, StepResult]] = {}
         self.arrived = asyncio.Event()
 
@@ -57,7 +59,9 @@ class StepResults:
                 except WireError as exc:
                     await self.dead_letter(entry, str(exc))
                     continue
-                if result.epoch == self.epoch():  # older epochs' results mean nothing now
+                # Older epochs' results mean nothing now; another leader's token means a step
+                # this ledger did not send.
+                if result.epoch == self.epoch() and result.leader_token == self.leader_token():
                     self.results.setdefault(result.step_id, {})[result.worker_id] = result
                     self.arrived.set()
 

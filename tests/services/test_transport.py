@@ -3,6 +3,7 @@ restart, a dead consumer's entries can be claimed, and dead letters keep what th
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 
 from services import transport
@@ -61,6 +62,26 @@ async def test_a_dead_letter_keeps_the_entry_and_the_error(redis_url):
         assert fields[b"source_stream"] == stream.encode() and fields[b"source_id"] == entry_id
         assert fields[b"error"] == b"not msgpack"
         assert fields[b"orig:m"] == b"\xc1" and fields[b"orig:extra"] == b"1"
+        assert fields[b"size:m"] == b"1"
+        assert fields[b"sha256:m"] == hashlib.sha256(b"\xc1").hexdigest().encode()
     finally:
         await r.delete(stream, dead)
+        await r.aclose()
+
+
+async def test_a_dead_letter_keeps_a_prefix_the_size_and_the_digest_of_a_large_entry(redis_url):
+    r = transport.connect(redis_url)
+    dead = f"d:{uuid.uuid4().hex}"
+    payload = bytes(range(256)) * 16_384  # 4 MiB of garbage
+    try:
+        entry = transport.Entry("s", b"1-1", {b"m": payload})
+        await transport.dead_letter(r, dead, entry, "x" * 100_000)
+        ((_, fields),) = await r.xrange(dead)
+        assert fields[b"orig:m"] == payload[: transport.DEAD_LETTER_PREFIX_BYTES]
+        assert fields[b"size:m"] == str(len(payload)).encode()
+        assert fields[b"sha256:m"] == hashlib.sha256(payload).hexdigest().encode()
+        assert len(fields[b"error"]) == transport.DEAD_LETTER_PREFIX_BYTES
+        assert await r.memory_usage(dead) < 16_384  # not the 4 MiB
+    finally:
+        await r.delete(dead)
         await r.aclose()

@@ -1,0 +1,120 @@
+"""Exactly one ledger leads a replica: a lease in Redis, renewed, with a fencing token.
+
+Two ledgers on one replica would both schedule the same requests onto the same workers (each
+step of one resets the workers' state for the other). So a ledger first takes the lease key
+(`SET key holder NX PX ttl`); one that finds it taken stands by and tries again until the
+holder's lease expires. On taking it, the leader draws a token from a counter that only grows
+(`INCR`) and puts it on every step; workers drop steps with a token below the highest they have
+seen, and the leader drops results that carry another token. The token is what protects the
+workers from a leader that was paused past its lease (SIGSTOP, a long GC, a VM migration): it
+cannot know it was paused until it runs again, and by then a newer token is on the stream.
+
+The leader also keeps a local deadline: the lease counts as held only until `ttl` after the
+start of the last renewal that succeeded, measured on the monotonic clock, so a resumed leader
+sees at once that its lease may have passed to another, and stops before it steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from observability import get_logger
+from services.config import StreamNames
+
+log = get_logger("kvledger.ledger")
+
+# Renew or give back only a lease this holder still holds: a lease that expired and went to
+# another ledger must not be extended or deleted by the old holder.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class LeadershipLost(RuntimeError):
+    """The lease ran out or went to another ledger: this ledger must not step again."""
+
+
+class Leadership:
+    def __init__(self, r: aioredis.Redis, streams: StreamNames, ttl_s: float) -> None:
+        self.r = r
+        self.key = streams.leader
+        self.token_key = streams.leader_token
+        self.ttl_ms = max(int(ttl_s * 1000), 100)
+        self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.token = 0
+        self.standing_by = False
+        self.leader_seen: str | None = None  # the holder this standby waits for
+        self._valid_until = 0.0
+        self._lost = False
+
+    def held(self) -> bool:
+        return not self._lost and time.monotonic() < self._valid_until
+
+    def check(self) -> None:
+        """Raise LeadershipLost unless the lease is surely still ours."""
+        if not self.held():
+            raise LeadershipLost(f"the ledger lease {self.key} is no longer held by {self.holder}")
+
+    async def acquire(self, stopping: asyncio.Event) -> int:
+        """Wait until this ledger holds the lease; return its fencing token."""
+        announced = 0.0
+        while not stopping.is_set():
+            started = time.monotonic()
+            try:
+                if await self.r.set(self.key, self.holder, nx=True, px=self.ttl_ms):
+                    self.token = int(await self.r.incr(self.token_key))
+                    self._valid_until = started + self.ttl_ms / 1000
+                    self._lost = False
+                    self.standing_by = False
+                    log.info("leader_elected", holder=self.holder, fence=self.token, key=self.key)
+                    return self.token
+                leader = await self.r.get(self.key)
+                self.leader_seen = leader.decode() if isinstance(leader, bytes) else leader
+            except aioredis.ConnectionError as exc:
+                log.warning("redis_unavailable", loop="leadership", error=str(exc))
+            self.standing_by = True
+            if time.monotonic() - announced > 30:
+                log.info("standing_by", leader=self.leader_seen, key=self.key, holder=self.holder)
+                announced = time.monotonic()
+            await asyncio.sleep(self.ttl_ms / 3000)
+        raise asyncio.CancelledError
+
+    async def renew_forever(self) -> None:
+        """Extend the lease every third of its TTL; raise LeadershipLost once another holds it."""
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            started = time.monotonic()
+            try:
+                renewed = await self.r.eval(_RENEW, 1, self.key, self.holder, self.ttl_ms)
+            except aioredis.ConnectionError as exc:
+                # Keep trying: the local deadline runs out on its own if Redis stays away.
+                log.warning("lease_renewal_failed", error=str(exc), held=self.held())
+                continue
+            if not renewed:
+                self._lost = True
+                log.error("leadership_lost", holder=self.holder, fence=self.token, key=self.key)
+                raise LeadershipLost(f"the ledger lease {self.key} went to another ledger")
+            self._valid_until = started + self.ttl_ms / 1000
+
+    async def release(self) -> None:
+        """Give the lease back at a clean stop, so a standby takes over without waiting."""
+        if self.token and not self._lost:
+            try:
+                await self.r.eval(_RELEASE, 1, self.key, self.holder)
+            except aioredis.RedisError as exc:
+                log.warning("lease_release_failed", error=str(exc))
