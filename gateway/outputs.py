@@ -92,6 +92,9 @@ class OutputDispatcher:
         dead_letters: str,
         on_dead_letter: Callable[[str], None] = lambda stream: None,
         block_ms: int = 1000,
+        marker: str | None = None,
+        on_outage: Callable[[str], None] | None = None,
+        watch_interval_s: float = 1.0,
     ) -> None:
         self.redis = redis
         self.stream = stream
@@ -100,7 +103,14 @@ class OutputDispatcher:
         self.block_ms = block_ms
         self.queues: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self._last_id: bytes = b"0-0"
+        # A key this gateway keeps in Redis: finding it gone means Redis lost its data, and
+        # with it the requests not yet read and the outputs not yet delivered.
+        self.marker = marker
+        self.on_outage = on_outage
+        self.watch_interval_s = watch_interval_s
+        self.data_losses = 0
 
     def register(self, req_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -118,17 +128,46 @@ class OutputDispatcher:
         tail = await self.redis.xrevrange(self.stream, count=1)
         self._last_id = cast(bytes, tail[0][0]) if tail else b"0-0"
         self._task = asyncio.create_task(self._run(), name=f"outputs:{self.stream}")
+        if self.marker is not None:
+            await self._marker_missing()
+            self._watch_task = asyncio.create_task(self._watch(), name=f"watch:{self.marker}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._watch_task = None
+
+    async def _marker_missing(self) -> bool:
+        """Set the marker (renewing its expiry); True when it was not there."""
+        assert self.marker is not None
+        ttl_s = max(60, int(self.watch_interval_s * 60))
+        return await self.redis.set(self.marker, b"1", ex=ttl_s, get=True) is None
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            try:
+                lost = await self._marker_missing()
+            except (RedisError, OSError):
+                continue  # the reader's loop reports the outage
+            if lost:
+                self.fail_all("Redis restarted without its data and lost this request; retry it")
+
+    def fail_all(self, error: str) -> None:
+        """End every waiting request with an explicit error (it may have been lost)."""
+        self.data_losses += 1
+        log.error("redis_data_lost", stream=self.stream, failed_requests=len(self.queues))
+        for req_id, queue in list(self.queues.items()):
+            queue.put_nowait(
+                RequestOutput(req_id, [], finished=True, finish_reason="error", error=error)
+            )
 
     async def _run(self) -> None:
-        backoff = 0.1
         refreshed = 0.0
+        reconnect = transport.Reconnect(f"outputs:{self.stream}", self.on_outage)
         while True:
             try:
                 if time.monotonic() - refreshed > OUTPUTS_TTL_S / 10:
@@ -140,12 +179,15 @@ class OutputDispatcher:
                     self.redis, self.stream, self._last_id, block_ms=self.block_ms
                 )
             except (RedisError, OSError) as exc:
-                # Redis restarting or unreachable: waiting requests time out on their own.
-                log.warning("outputs_read_failed", stream=self.stream, error=str(exc))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                # Redis restarting, paused or unreachable: retried with backoff; requests it
+                # lost are failed by the marker watch once it answers again.
+                if transport.is_unavailable(exc):
+                    await reconnect.failed(exc)
+                else:
+                    log.warning("outputs_read_failed", stream=self.stream, error=str(exc))
+                    await asyncio.sleep(1)
                 continue
-            backoff = 0.1
+            reconnect.succeeded()
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 await self._dispatch(transport.Entry(self.stream, entry_id, fields))

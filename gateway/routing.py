@@ -68,6 +68,7 @@ class GatewayRouting:
         registry: CollectorRegistry,
         tracer: Tracer,
         on_dead_letter: Callable[[str], None],
+        on_outage: Callable[[str], None] | None = None,
     ) -> None:
         self.policy = config.routing
         self.tracer = tracer
@@ -88,6 +89,8 @@ class GatewayRouting:
                 streams.outputs(gateway_id),
                 streams.dead_letters,
                 on_dead_letter=on_dead_letter,
+                marker=streams.gateway_marker(gateway_id),
+                on_outage=on_outage,
             )
             for name, streams in self.replicas.items()
         }

@@ -53,8 +53,9 @@ class Gateway:
         self.metrics = GatewayMetrics(self.registry, self.default_model_name)
         # Which replica gets each request; its first replica's keys are the gateway's own.
         self.routing = GatewayRouting(
-            config, redis, self.gateway_id, self.registry, tracer, self.metrics.record_dead_letter
-        )
+            config, redis, self.gateway_id, self.registry, tracer, self.metrics.record_dead_letter,
+            self.metrics.record_redis_outage,
+        )  # fmt: skip
         self.streams = self.routing.primary
         self.outputs: OutputDispatcher = self.routing.outputs
         self.in_flight = 0

@@ -102,6 +102,20 @@ class WorkerService:
             await asyncio.sleep(self.cfg.heartbeat_s)
 
     async def _loop(self) -> None:
+        reconnect = transport.Reconnect("worker")
+        while True:
+            try:
+                await self._steps()
+                return
+            except (aioredis.RedisError, OSError) as exc:
+                # A step whose result was lost is re-run by the ledger in a new epoch.
+                if transport.is_nogroup(exc):
+                    await self.reader.ensure_groups("0")  # Redis came back without its data
+                    continue
+                await reconnect.failed(exc)
+                await reconnect.until_up(self.r)
+
+    async def _steps(self) -> None:
         entries: list[transport.Entry] = []
         while True:
             if not entries:

@@ -75,6 +75,7 @@ def _service_main(
 
         try:
             config = from_arguments(cls, args)
+            _resolve_redis_url(name, config, getattr(args, "redis_url", None))
         except ConfigError as exc:
             print(f"kvledger {name}: {exc}", file=sys.stderr)
             return 2
@@ -87,6 +88,31 @@ def _service_main(
         return run_gateway(config)
 
     return run
+
+
+def warn_password_on_command_line(command: str, flag_value: str | None) -> None:
+    """A password in --redis-url shows in `ps` to every user of the machine: say so once."""
+    from services.config import redact_url, redis_password
+
+    if flag_value and redis_password(flag_value):
+        print(
+            f"kvledger {command}: warning: --redis-url {redact_url(flag_value)} carries a "
+            "password on the command line, where `ps` shows it; use KVLEDGER_REDIS_URL or "
+            "KVLEDGER_REDIS_URL_FILE instead",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _resolve_redis_url(command: str, config: object, flag_value: str | None) -> None:
+    """No --redis-url nor KVLEDGER_REDIS_URL: KVLEDGER_REDIS_URL_FILE, if set."""
+    from services.config import CommonConfig, env, read_redis_url_file
+
+    assert isinstance(config, CommonConfig)
+    warn_password_on_command_line(command, flag_value)
+    path = env("KVLEDGER_REDIS_URL_FILE")
+    if not config.redis_url and path:
+        config.redis_url = read_redis_url_file(path)
 
 
 def run_ledger(config: LedgerConfig) -> int:

@@ -3,24 +3,26 @@
 Starts a private redis-server on a free loopback port (unless --redis-url is given), then the
 ledger, one worker and the gateway as child processes (with --replicas N: a ledger and a worker
 per replica r0..rN-1, and one gateway routing across them); waits until the ledger has sized its pool,
-prints the capacity line, the URL and a curl example, and stops everything it started on Ctrl-C.
+prints the capacity line, the URL and a curl example. From then on `kvledger.supervisor` restarts
+any child that exits (capped exponential backoff, one line each time) until Ctrl-C or SIGTERM,
+which stop everything it started. Each ledger's /metrics and /health listen on 127.0.0.1 unless
+--metrics-host says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 import time
 from typing import cast
 
 import redis
 
+from kvledger.cli import warn_password_on_command_line
+from kvledger.supervisor import Child, Supervisor
 from services import wire
-from services.config import StreamNames
+from services.config import ConfigError, StreamNames, env, read_redis_url_file
 from services.messages import LedgerStatus
 from services.redis_server import RedisServer, RedisServerError, free_port
 
@@ -31,7 +33,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "up", help="start Redis, the ledger, a worker and the gateway on this machine"
     )
-    p.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
+    p.add_argument(
+        "--redis-url",
+        help="use this Redis instead of starting a private redis-server (a password here shows "
+        "in `ps`: prefer env KVLEDGER_REDIS_URL or --redis-url-file)",
+    )
+    p.add_argument(
+        "--redis-url-file",
+        default=None,
+        help="a file holding the Redis URL (env KVLEDGER_REDIS_URL_FILE)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of each ledger's /metrics and /health (0.0.0.0: every interface)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     p.add_argument("--port", type=int, default=8000, help="gateway port")
     p.add_argument(
@@ -122,6 +138,8 @@ def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> d
     env["KVLEDGER_HOST"] = args.host
     env["KVLEDGER_PORT"] = str(args.port)
     env["KVLEDGER_METRICS_PORT"] = str(metrics_port)
+    env["KVLEDGER_METRICS_HOST"] = args.metrics_host
+    env.pop("KVLEDGER_REDIS_URL_FILE", None)  # resolved here: the children get the URL itself
     flags = {
         "KVLEDGER_MODEL": args.model,
         "KVLEDGER_DEVICE": args.device,
@@ -160,9 +178,24 @@ def _cuda_wanted(device: str) -> bool:
         return False
 
 
+def redis_url_of(args: argparse.Namespace) -> str | None:
+    """--redis-url, else KVLEDGER_REDIS_URL, else the file of --redis-url-file /
+    KVLEDGER_REDIS_URL_FILE; None: start a private redis-server."""
+    warn_password_on_command_line("up", args.redis_url)
+    url = args.redis_url or env("KVLEDGER_REDIS_URL")
+    path = args.redis_url_file or env("KVLEDGER_REDIS_URL_FILE")
+    if not url and path:
+        url = read_redis_url_file(path)
+    return url
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     server = None
-    redis_url = args.redis_url or os.environ.get("KVLEDGER_REDIS_URL")
+    try:
+        redis_url = redis_url_of(args)
+    except ConfigError as exc:
+        print(f"kvledger up: {exc}", file=sys.stderr)
+        return 2
     if not redis_url:
         try:
             server = RedisServer().start()
@@ -179,50 +212,40 @@ def cmd_up(args: argparse.Namespace) -> int:
         (args.metrics_port + i) if args.metrics_port else free_port() for i in range(len(replicas))
     ]
     metrics_port = ports[0]
-    env = _child_env(args, redis_url, metrics_port)
-    children: dict[str, subprocess.Popen] = {}
-    prefix = env.get("KVLEDGER_STREAM_PREFIX", "kvl")
-    stopping = False
-
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
+    env_ = _child_env(args, redis_url, metrics_port)
+    prefix = env_.get("KVLEDGER_STREAM_PREFIX", "kvl")
+    supervisor = Supervisor(
+        [
+            Child(role, [sys.executable, "-m", "kvledger.cli", role.split("-")[0]], child_env)
+            for role, child_env in _roles(env_, replicas, ports)
+        ]
+    )
+    supervisor.install_signal_handlers()
     try:
-        for role, child_env in _roles(env, replicas, ports):
-            command = [sys.executable, "-m", "kvledger.cli", role.split("-")[0]]
-            children[role] = subprocess.Popen(command, env=child_env)
+        supervisor.start()
         status = None
         for name in replicas:
             status = _wait_for_ledger(
-                redis_url, StreamNames(prefix, name), children, args.startup_timeout
+                redis_url, StreamNames(prefix, name), supervisor, args.startup_timeout
             )
             if status is None:
-                return 1
+                return 0 if supervisor.stopping else 1
         assert status is not None
-        _banner(status, args.host, args.port, metrics_port)
+        _banner(status, args.host, args.port, metrics_port, args.metrics_host)
         if len(replicas) > 1:
             print(
                 f"kvledger up: {len(replicas)} replicas ({', '.join(replicas)}; ledger metrics "
                 f"on ports {', '.join(map(str, ports))}), routing "
-                f"{env.get('KVLEDGER_ROUTING', 'precise')}",
+                f"{env_.get('KVLEDGER_ROUTING', 'precise')}",
                 flush=True,
             )
-        while not stopping:
-            for role, child in children.items():
-                if child.poll() is not None:
-                    print(
-                        f"kvledger up: the {role} exited with code {child.returncode}; stopping",
-                        file=sys.stderr,
-                    )
-                    return 1
-            time.sleep(0.5)
+        # From here on a child that exits is restarted (with backoff) until Ctrl-C / SIGTERM.
+        supervisor.run()
         return 0
     except KeyboardInterrupt:
         return 0
     finally:
-        _stop_children(children)
+        supervisor.stop()
         if server is not None:
             server.stop()
 
@@ -247,25 +270,29 @@ def _roles(
 
 
 def _wait_for_ledger(
-    url: str, streams: StreamNames, children: dict[str, subprocess.Popen], timeout: float
+    url: str, streams: StreamNames, supervisor: Supervisor, timeout: float
 ) -> LedgerStatus | None:
+    """The ledger's first status; None when a child exits first (at start-up that is a
+    setting to fix, not a crash to retry), on a stop request, or after `timeout`."""
     client = redis.Redis.from_url(url)
     deadline = time.monotonic() + timeout
     try:
-        while time.monotonic() < deadline:
-            for role, child in children.items():
-                if child.poll() is not None:
-                    print(
-                        f"kvledger up: the {role} exited at start-up with code {child.returncode}",
-                        file=sys.stderr,
-                    )
-                    return None
+        while time.monotonic() < deadline and not supervisor.stopping:
+            for child in supervisor.exited():
+                code = child.process.returncode if child.process is not None else None
+                print(
+                    f"kvledger up: the {child.role} exited at start-up with code {code}",
+                    file=sys.stderr,
+                )
+                return None
             data = cast("bytes | None", client.get(streams.ledger_status))
             if data:
                 return wire.decode(data, LedgerStatus)
             time.sleep(0.2)
     finally:
         client.close()
+    if supervisor.stopping:
+        return None
     print(
         f"kvledger up: the ledger of replica {streams.replica} did not come up within "
         f"{timeout:.0f}s",
@@ -274,7 +301,9 @@ def _wait_for_ledger(
     return None
 
 
-def _banner(status: LedgerStatus, host: str, port: int, metrics_port: int) -> None:
+def _banner(
+    status: LedgerStatus, host: str, port: int, metrics_port: int, metrics_host: str
+) -> None:
     url = f"http://{host}:{port}"
     auth = (
         ' -H "Authorization: Bearer $KVLEDGER_API_KEY"'
@@ -283,7 +312,7 @@ def _banner(status: LedgerStatus, host: str, port: int, metrics_port: int) -> No
     )
     print(
         f"\n{status.capacity_line}\n"
-        f"kvledger is serving {status.model_name} at {url}  (metrics: http://127.0.0.1:{metrics_port}/metrics)\n"
+        f"kvledger is serving {status.model_name} at {url}  (metrics: http://{_reachable(metrics_host)}:{metrics_port}/metrics)\n"
         f"Try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
         f'    -d \'{{"model": "{status.model_name}", "prompt": "The KV cache", "max_tokens": 16}}\'\n'
         "Press Ctrl-C to stop.\n",
@@ -291,16 +320,5 @@ def _banner(status: LedgerStatus, host: str, port: int, metrics_port: int) -> No
     )
 
 
-def _stop_children(children: dict[str, subprocess.Popen]) -> None:
-    # The gateway first (it aborts in-flight requests), the ledgers last.
-    for kind in ("gateway", "worker", "ledger"):
-        for role, child in children.items():
-            if role.split("-")[0] == kind and child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-    for child in children.values():
-        try:
-            child.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(timeout=5)
+def _reachable(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host

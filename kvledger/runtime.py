@@ -20,7 +20,7 @@ from observability import (
     setup_tracing,
     shutdown_tracing,
 )
-from services.config import CommonConfig, env, secret_values
+from services.config import CommonConfig, env, redis_password, secret_values
 from services.transport import connect
 
 
@@ -49,7 +49,9 @@ def setup_observability(service: str, config: CommonConfig) -> Tracer | None:
     """Logging and tracing for one service process; the tracer is None when tracing is off,
     so services skip building spans altogether."""
     name = f"kvledger-{service}"
-    configure_logging(name, level=config.log_level, fmt=config.log_format, secrets=secret_values())
+    password = redis_password(config.redis_url or "")  # also when it came from a file
+    secrets = secret_values() + ((password,) if password else ())
+    configure_logging(name, level=config.log_level, fmt=config.log_format, secrets=secrets)
     return get_tracer(name) if setup_tracing(name, tracing_settings()) else None
 
 

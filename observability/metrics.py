@@ -133,6 +133,7 @@ class LedgerMetrics:
             buckets=STEP_DURATION_BUCKETS,
         ).labels(**self.labels)
         self._dead_letters = dead_letters_counter(registry)
+        self._redis_outages = redis_outages_counter(registry)
         self._worker_info = Gauge(
             "kvledger_worker_info",
             "1 for each live worker, labelled with its device and the attention backend it runs.",
@@ -182,6 +183,9 @@ class LedgerMetrics:
 
     def record_dead_letter(self, stream: str) -> None:
         self._dead_letters.labels(stream=stream).inc()
+
+    def record_redis_outage(self, loop: str) -> None:
+        self._redis_outages.labels(loop=loop).inc()
 
     def snapshot(self) -> LedgerSnapshot:
         """The current values, read back from the registry so they match the exposition."""
@@ -237,6 +241,7 @@ class GatewayMetrics:
             registry=registry,
         )
         self._dead_letters = dead_letters_counter(registry)
+        self._redis_outages = redis_outages_counter(registry)
         self._mirror = _LedgerMirror(self.labels)
         registry.register(self._mirror)
 
@@ -259,6 +264,9 @@ class GatewayMetrics:
 
     def record_dead_letter(self, stream: str) -> None:
         self._dead_letters.labels(stream=stream).inc()
+
+    def record_redis_outage(self, loop: str) -> None:
+        self._redis_outages.labels(loop=loop).inc()
 
     def mirror_ledger(self, snapshot: LedgerSnapshot) -> None:
         """Show the ledger's latest gauges and totals on this /metrics (nothing until called)."""
@@ -296,6 +304,16 @@ def dead_letters_counter(registry: CollectorRegistry) -> Counter:
         "kvledger_dead_letters",
         "Stream entries rejected and appended to the dead-letter stream.",
         ("stream",),
+        registry=registry,
+    )
+
+
+def redis_outages_counter(registry: CollectorRegistry) -> Counter:
+    """Times a loop lost its Redis connection (counted once per outage, when it begins)."""
+    return Counter(
+        "kvledger_redis_outages",
+        "Redis outages seen by a service loop (one per outage, however long).",
+        ("loop",),
         registry=registry,
     )
 

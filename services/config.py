@@ -11,12 +11,15 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 C = TypeVar("C")
 
 ENV_VARS: dict[str, str] = {
     "KVLEDGER_REDIS_URL": "Redis URL shared by every service (default: a private redis-server)",
+    "KVLEDGER_REDIS_URL_FILE": "a file holding the Redis URL (keeps a password out of `ps`)",
     "KVLEDGER_REPLICA": "this replica's name, a hash tag in its keys (default default)",
     "KVLEDGER_REPLICAS": "the gateway's replicas to route across, comma-separated (default: its own)",
     "KVLEDGER_ROUTING": "gateway routing: round_robin, least_loaded, approx or precise (default precise)",
@@ -46,6 +49,7 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_NUM_WORKERS": "workers the ledger waits for before it sizes the pool (default 1)",
     "KVLEDGER_WORKER_ID": "this worker's id (default: host name and pid)",
     "KVLEDGER_KV_EVENTS_MAX_MB": "Redis memory the KV-events stream may take, in MB (default 256)",
+    "KVLEDGER_METRICS_HOST": "address of the ledger's /metrics and /health (default 0.0.0.0; kvledger up: 127.0.0.1)",
     "KVLEDGER_METRICS_PORT": "port of the ledger's Prometheus endpoint (default 9100, 0 = off)",
     "KVLEDGER_REQUEST_TIMEOUT": "seconds a request may take before the gateway aborts it (default 600)",
     "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
@@ -68,7 +72,35 @@ SECRET_ENV_VARS = ("KVLEDGER_API_KEY",)
 
 
 def secret_values() -> tuple[str, ...]:
-    return tuple(value for name in SECRET_ENV_VARS if (value := env(name)))
+    values = [value for name in SECRET_ENV_VARS if (value := env(name))]
+    password = redis_password(env("KVLEDGER_REDIS_URL") or "")
+    return tuple(values + ([password] if password else []))
+
+
+def redis_password(url: str) -> str | None:
+    """The password in redis://user:password@host (None without one)."""
+    try:
+        return urlsplit(url).password or None
+    except ValueError:
+        return None
+
+
+def redact_url(url: str) -> str:
+    """The URL as it may be logged: the password replaced by ***."""
+    password = redis_password(url)
+    return url.replace(f":{password}@", ":***@", 1) if password else url
+
+
+def read_redis_url_file(path: str) -> str:
+    """The Redis URL from a file (first non-empty line): a password there stays out of `ps`."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"--redis-url-file / KVLEDGER_REDIS_URL_FILE: {exc}") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ConfigError(f"--redis-url-file / KVLEDGER_REDIS_URL_FILE: {path} is empty")
+    return lines[0]
 
 
 def env(name: str, default: str | None = None) -> str | None:
@@ -165,6 +197,10 @@ class StreamNames:
     def outputs(self, gateway_id: str) -> str:
         """A gateway's outputs stream; it expires OUTPUTS_TTL_S after the last write or read."""
         return f"{self.base}:outputs:{gateway_id}"
+
+    def gateway_marker(self, gateway_id: str) -> str:
+        """A key the gateway renews: its absence means Redis lost its data (see gateway.outputs)."""
+        return f"{self.base}:gateways:{gateway_id}"
 
     def worker(self, group: str, worker_id: str) -> str:
         """A worker's registration key (`*` as worker_id: the pattern of the group's keys)."""
@@ -312,7 +348,9 @@ class LedgerConfig(CommonConfig, EngineShape):
     metrics_port: int = _opt(
         "KVLEDGER_METRICS_PORT", 9100, "Prometheus /metrics and /health port (0: off)", int
     )
-    metrics_host: str = _opt(None, "0.0.0.0", "address of the metrics endpoint")
+    metrics_host: str = _opt(
+        "KVLEDGER_METRICS_HOST", "0.0.0.0", "address of the metrics and health endpoint"
+    )
     step_timeout_s: float = _opt(
         None, 600.0, "seconds a worker may take for one step before it is dropped", float
     )

@@ -8,18 +8,104 @@ source stream) and acked, so one bad producer cannot wedge a service.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast, overload
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services import wire
 
 log = logging.getLogger(__name__)
+outage_log = structlog.get_logger("kvledger.redis")
+
+# What a Redis restart, pause or network cut raises: worth retrying, unlike a wrong command.
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """A lost connection, or a Redis still loading its data after a restart."""
+    if isinstance(exc, UNAVAILABLE):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith("LOADING")
+
+
+def is_nogroup(exc: BaseException) -> bool:
+    """The stream or its consumer group is gone: Redis came back without its data."""
+    return isinstance(exc, ResponseError) and str(exc).startswith("NOGROUP")
+
+
+class Reconnect:
+    """A loop's way through a Redis outage: capped exponential backoff between attempts, one
+    log line when the outage begins and one when it ends (not one per attempt), and
+    `on_outage(loop)` once per outage for a metric.
+
+        except RedisError as exc:
+            await reconnect.failed(exc)   # re-raises what retrying cannot fix
+            continue
+        reconnect.succeeded()
+    """
+
+    def __init__(
+        self,
+        loop: str,
+        on_outage: Callable[[str], None] | None = None,
+        min_delay_s: float = 0.05,
+        max_delay_s: float = 2.0,
+    ) -> None:
+        self.loop = loop
+        self.on_outage = on_outage
+        self.min_delay_s = min_delay_s
+        self.max_delay_s = max_delay_s
+        self.delay_s = 0.0
+        self.down_since: float | None = None
+        self.attempts = 0
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    async def failed(self, exc: BaseException) -> None:
+        if not is_unavailable(exc):
+            raise exc
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            outage_log.warning("redis_unavailable", loop=self.loop, error=str(exc) or repr(exc))
+            if self.on_outage is not None:
+                self.on_outage(self.loop)
+        self.attempts += 1
+        self.delay_s = min(max(self.delay_s * 2, self.min_delay_s), self.max_delay_s)
+        await asyncio.sleep(self.delay_s)
+
+    def succeeded(self) -> None:
+        if self.down_since is not None:
+            outage_log.info(
+                "redis_reconnected",
+                loop=self.loop,
+                down_s=round(time.monotonic() - self.down_since, 3),
+                attempts=self.attempts,
+            )
+        self.down_since, self.delay_s, self.attempts = None, 0.0, 0
+
+    async def until_up(self, r: aioredis.Redis) -> None:
+        """PING with backoff until Redis answers."""
+        while True:
+            try:
+                await r.ping()
+            except (RedisError, OSError) as exc:
+                await self.failed(exc)
+                continue
+            self.succeeded()
+            return
+
 
 M = TypeVar("M", bound=wire.Message)
 
@@ -112,6 +198,19 @@ class GroupReader:
                     raise
 
     async def read(self, count: int = 128, block_ms: int | None = 1000) -> list[Entry]:
+        try:
+            return await self._read_pending_then_new(count, block_ms)
+        except ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            # Redis came back without its data: the group (and whatever it held) is gone. A
+            # new group from the stream's start reads everything appended since the loss.
+            outage_log.warning("consumer_group_recreated", group=self.group, streams=self.streams)
+            await self.ensure_groups("0")
+            self._pending_cursor = {s: None for s in self.streams}
+            return []
+
+    async def _read_pending_then_new(self, count: int, block_ms: int | None) -> list[Entry]:
         # First one pass over this consumer's pending list (entries delivered before a restart
         # and never acked), paging by id so that each is handed out once, then new entries.
         pending = {s: c for s, c in self._pending_cursor.items() if c is not None}
@@ -151,7 +250,11 @@ class GroupReader:
         for entry in entries:
             by_stream.setdefault(entry.stream, []).append(entry.entry_id)
         for stream, ids in by_stream.items():
-            await self.r.xack(stream, self.group, *ids)
+            try:
+                await self.r.xack(stream, self.group, *ids)
+            except ResponseError as exc:
+                if not is_nogroup(exc):  # gone with Redis's data: nothing left to ack
+                    raise
 
     async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """XAUTOCLAIM every entry idle for `min_idle_ms` in the group's pending lists (paging

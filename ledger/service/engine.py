@@ -17,6 +17,7 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from ledger.core.events import AllBlocksCleared
 from ledger.core.hashing import BlockHasher
@@ -74,9 +75,13 @@ class LedgerService:
         self.intake_event = asyncio.Event()
         self.leadership = Leadership(r, self.streams, config.leader_ttl_s)
         self.step_results = StepResults(
-            r, self.streams.results, lambda: self.epoch, self._dead_letter,
+            r,
+            self.streams.results,
+            lambda: self.epoch,
+            self._dead_letter,
+            self._count_outage,
             leader_token=lambda: self.leadership.token,
-        )  # fmt: skip
+        )
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
         # The last step's results, sent to the gateways while the workers run the next step.
@@ -221,6 +226,24 @@ class LedgerService:
     # ------------------------------------------------------------------ the engine loop
 
     async def _engine_loop(self) -> None:
+        """The step loop, carried through Redis outages: what was in flight when the connection
+        broke may be lost (steps, results, the workers' registrations), so once Redis answers
+        again every request is recomputed in a new epoch, as after a lost worker."""
+        reconnect = transport.Reconnect("engine", self._count_outage)
+        while not self.stopping.is_set():
+            try:
+                await self._step_loop()
+                return
+            except (RedisError, OSError) as exc:
+                await reconnect.failed(exc)  # anything but an outage propagates
+                await reconnect.until_up(self.r)
+                self.membership_changed = True  # start over in a new epoch
+
+    def _count_outage(self, loop: str) -> None:
+        if self.metrics is not None:
+            self.metrics.record_redis_outage(loop)
+
+    async def _step_loop(self) -> None:
         """Schedule, dispatch, apply. With async scheduling two steps are in flight: the ledger
         schedules and dispatches step N+1 while the workers compute step N, so the round trips
         through Redis overlap the compute instead of adding to it."""
@@ -372,6 +395,16 @@ class LedgerService:
         if not updates:
             return
         self.leadership.check()  # a deposed leader's tokens would race its successor's
+        try:
+            await self._append_outputs(updates)
+        except BaseException:
+            self.unsent = updates + self.unsent  # sent again after the outage, none skipped
+            raise
+        for update in updates:
+            if update.finished:
+                await self._finish_tracking(update.request, None)
+
+    async def _append_outputs(self, updates: list[RequestUpdate[Tracked]]) -> None:
         by_gateway: dict[str, list[RequestOutput]] = {}
         for update in updates:
             out = request_output(update.request, update.new_token_ids, update.finish_reason)
@@ -387,9 +420,6 @@ class LedgerService:
                 )
                 pipe.expire(self.streams.outputs(gateway_id), OUTPUTS_TTL_S)
             await pipe.execute()
-        for update in updates:
-            if update.finished:
-                await self._finish_tracking(update.request, None)
 
     async def _finish_tracking(
         self, request: Request[Tracked], final: RequestOutput | None
@@ -431,29 +461,42 @@ class LedgerService:
     # ------------------------------------------------------------------ background readers
 
     async def _intake_loop(self) -> None:
+        reconnect = transport.Reconnect("intake", self._count_outage)
         while True:
             try:
                 entries = await self.requests_reader.read(count=256, block_ms=1000)
-            except aioredis.ConnectionError as exc:
-                log.warning("redis_unavailable", loop="intake", error=str(exc))
-                await asyncio.sleep(1)
+            except (RedisError, OSError) as exc:
+                await reconnect.failed(exc)
                 continue
+            reconnect.succeeded()
             for entry in entries:
                 self.intake.put_nowait(entry)
             if entries:
                 self.intake_event.set()
 
     async def _status_loop(self) -> None:
+        reconnect = transport.Reconnect("status", self._count_outage)
         while True:
-            live = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
-            lost, joined = membership_changes(self.workers, live, self.num_gpu_blocks)
-            if (lost or joined) and not self.membership_changed:
-                # A fresh worker holds none of the cached data, a lost one took its share.
-                log.warning("workers_changing", lost=lost, joined=joined)
+            try:
+                await self._check_workers_and_status()
+            except (RedisError, OSError) as exc:
+                # Steps and results may be lost with the connection: the engine stops waiting
+                # for this step and starts a new epoch once Redis answers.
                 self.membership_changed = True
-            self.intake_event.set()
-            await self._write_status()
+                await reconnect.failed(exc)
+                continue
+            reconnect.succeeded()
             await asyncio.sleep(min(1.0, self.cfg.worker_ttl_s / 3))
+
+    async def _check_workers_and_status(self) -> None:
+        live = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
+        lost, joined = membership_changes(self.workers, live, self.num_gpu_blocks)
+        if (lost or joined) and not self.membership_changed:
+            # A fresh worker holds none of the cached data, a lost one took its share.
+            log.warning("workers_changing", lost=lost, joined=joined)
+            self.membership_changed = True
+        self.intake_event.set()
+        await self._write_status()
 
     def attention_backends(self) -> dict[str, str]:
         """worker id -> the attention backend it chose at start-up (from its hello)."""

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from ledger.core.scheduler import SchedulerOutput
 from observability import get_logger
@@ -30,6 +31,7 @@ class StepResults:
         stream: str,
         epoch: Callable[[], str],
         dead_letter: Callable[[transport.Entry, str], Awaitable[None]],
+        on_outage: Callable[[str], None] | None = None,
         leader_token: Callable[[], int] = lambda: 0,
     ) -> None:
         self.r = r
@@ -37,20 +39,22 @@ class StepResults:
         self.epoch = epoch
         self.dead_letter = dead_letter
         self.leader_token = leader_token
+        self.on_outage = on_outage
         self.results: dict[int, dict[str, StepResult]] = {}
         self.arrived = asyncio.Event()
 
     async def read_forever(self) -> None:
         last_id: bytes | str = "0-0"
+        reconnect = transport.Reconnect("results", self.on_outage)
         while True:
             try:
                 items = await transport.read_from(
                     self.r, self.stream, last_id, count=64, block_ms=1000
                 )
-            except aioredis.ConnectionError as exc:
-                log.warning("redis_unavailable", loop="results", error=str(exc))
-                await asyncio.sleep(1)
+            except (RedisError, OSError) as exc:
+                await reconnect.failed(exc)
                 continue
+            reconnect.succeeded()
             for entry_id, fields in items:
                 last_id = entry_id
                 entry = transport.Entry(self.stream, entry_id, fields)
