@@ -170,10 +170,13 @@ def _auth(api_key: str | None) -> Middleware:
 
 def _authorized(request: web.Request, api_key: str) -> bool:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    try:
+        # A header of bytes that are not UTF-8 arrives with surrogates in it: no key matches.
+        given = token.strip().encode()
+    except UnicodeEncodeError:
+        return False
     # Constant-time: the comparison must not reveal how much of a guess was right.
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    )
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode())
 
 
 def _error_response(exc: ApiError) -> web.Response:
