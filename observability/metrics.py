@@ -140,6 +140,13 @@ class LedgerMetrics:
             registry=registry,
         )
         self._worker_labels: set[tuple[str, str, str]] = set()
+        self._failed_requests = Counter(
+            "kvledger_failed_requests",
+            "Requests failed because a worker step failed with them: named by the worker "
+            "(worker_error) or after too many failed steps (quarantined).",
+            ("reason",),
+            registry=registry,
+        )
 
     def set_workers(self, workers: Mapping[str, tuple[str, str]]) -> None:
         """The live workers: worker id -> (device, attention backend)."""
@@ -182,6 +189,9 @@ class LedgerMetrics:
 
     def record_dead_letter(self, stream: str) -> None:
         self._dead_letters.labels(stream=stream).inc()
+
+    def record_failed_requests(self, reason: str, count: int) -> None:
+        self._failed_requests.labels(reason=reason).inc(count)
 
     def snapshot(self) -> LedgerSnapshot:
         """The current values, read back from the registry so they match the exposition."""

@@ -301,6 +301,12 @@ class LedgerConfig(CommonConfig, EngineShape):
     worker_ttl_s: float = _opt(
         None, 6.0, "seconds without a worker heartbeat before it counts as lost", float
     )
+    max_request_failures: int = _opt(
+        "KVLEDGER_MAX_REQUEST_FAILURES",
+        3,
+        "failed steps a request may take part in before it is quarantined (failed with an error)",
+        int,
+    )
     snapshot_interval_s: float = _opt(None, 1.0, "seconds between KV-event snapshots", float)
     events_maxlen: int = _opt(
         None, 1_000_000, "approximate length kept of the KV-events stream", int

@@ -145,6 +145,9 @@ class StepResult(Message, tag="result"):
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # for the requests that ask
     execute_seconds: float = 0.0
     error: str | None = None  # set when the worker could not run the step
+    # Set with `error` when the step failed because of these requests alone (req_id -> why):
+    # the ledger fails them and re-runs the others.
+    failed_requests: dict[str, str] | None = None
 
 
 class RequestOutput(Record):
