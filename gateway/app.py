@@ -301,6 +301,9 @@ async def health(request: web.Request) -> web.Response:
     ledger = msgspec.structs.asdict(status)
     for name in ("metrics", "v"):  # /metrics shows the counters; v is the wire's
         ledger.pop(name, None)
+    if status.num_workers == 0:  # not ready: nothing could compute a request
+        body = {"status": "unavailable", "message": gw.unavailable_message(status), **gateway}
+        return web.json_response({**body, "ledger": ledger}, status=503)
     return web.json_response({"status": "ok", **gateway, "ledger": ledger})
 
 

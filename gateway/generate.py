@@ -215,6 +215,7 @@ class Generation:
         loop = asyncio.get_running_loop()
         timeout_s = self.gw.config.request_timeout_s
         deadline = loop.time() + timeout_s
+        waiting_since = time.monotonic()
         while (remaining := deadline - loop.time()) > 0:
             if self.client_gone():
                 raise ClientGone("the client disconnected")
@@ -223,6 +224,12 @@ class Generation:
                 async with asyncio.timeout(min(remaining, DISCONNECT_POLL_S)):
                     item = await self._queue.get()
             except TimeoutError:
+                try:
+                    await self.gw.check_progress(waiting_since)
+                except ApiError as exc:
+                    raise GenerationError(
+                        exc.status, exc.message, exc.err_type, "stalled"
+                    ) from None
                 continue
             if item is SHUTDOWN:
                 raise GenerationError(

@@ -24,6 +24,8 @@ def metrics_app(service: LedgerService) -> web.Application:
             for w, h in sorted(service.workers.items())
         }
         body = {"status": "ok", "epoch": service.epoch, "capacity": service.capacity}
+        if not workers:  # not ready: every worker is lost, nothing can compute
+            return web.json_response({**body, "status": "no_workers", "workers": {}}, status=503)
         return web.json_response({**body, "workers": workers})
 
     async def metrics(request: web.Request) -> web.StreamResponse:
