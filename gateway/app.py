@@ -43,6 +43,11 @@ GATEWAY = web.AppKey("gateway", Gateway)
 SERVICE_NAME = "kvledger-gateway"
 SHUTDOWN_TIMEOUT_S = 10.0  # in-flight requests are ended at shutdown; this only bounds stragglers
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; never delivered, the connection is gone
+# A waiting request holds no Redis connection (its tokens come through the outputs reader), so
+# the pool only serves short commands: enough for a burst of max_queue requests arriving at
+# once, capped, and callers past the cap wait for a connection instead of failing.
+REDIS_POOL_MAX = 256
+REDIS_POOL_TIMEOUT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -54,7 +59,9 @@ def create_app(
     if redis is not None:
         client = redis
     elif config.redis_url:
-        client = transport.connect(config.redis_url)
+        client = transport.connect_pooled(
+            config.redis_url, redis_pool_size(config.max_queue), REDIS_POOL_TIMEOUT_S
+        )
     else:
         raise ConfigError("the gateway needs Redis: set --redis-url or KVLEDGER_REDIS_URL")
     tokenizer = load_tokenizer(config.model, config.model_name)
@@ -85,6 +92,11 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     add_utility_routes(app, GATEWAY)
     return app
+
+
+def redis_pool_size(max_queue: int) -> int:
+    # + the long-lived readers: one outputs reader per replica, the routing followers.
+    return min(max_queue, REDIS_POOL_MAX) + 32
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -170,10 +182,13 @@ def _auth(api_key: str | None) -> Middleware:
 
 def _authorized(request: web.Request, api_key: str) -> bool:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    try:
+        # A header of bytes that are not UTF-8 arrives with surrogates in it: no key matches.
+        given = token.strip().encode()
+    except UnicodeEncodeError:
+        return False
     # Constant-time: the comparison must not reveal how much of a guess was right.
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        token.strip().encode(), api_key.encode()
-    )
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode())
 
 
 def _error_response(exc: ApiError) -> web.Response:
@@ -286,6 +301,9 @@ async def health(request: web.Request) -> web.Response:
     ledger = msgspec.structs.asdict(status)
     for name in ("metrics", "v"):  # /metrics shows the counters; v is the wire's
         ledger.pop(name, None)
+    if status.num_workers == 0:  # not ready: nothing could compute a request
+        body = {"status": "unavailable", "message": gw.unavailable_message(status), **gateway}
+        return web.json_response({**body, "ledger": ledger}, status=503)
     return web.json_response({"status": "ok", **gateway, "ledger": ledger})
 
 

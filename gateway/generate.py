@@ -32,6 +32,10 @@ log = get_logger("gateway.generate")
 DISCONNECT_POLL_S = 0.5  # how soon a vanished client is noticed without handler cancellation
 
 
+LEDGER_FIELD_PREFIX = "field '"  # the ledger's refusals name the field first
+WORKER_FAILED_PREFIX = "the worker failed on this request"
+
+
 class GenerationError(ApiError):
     """Ends an accepted request; `abort_reason` is what the ledger is told (None: it knows)."""
 
@@ -162,10 +166,7 @@ class Generation:
             final = self.tracker.final
             if final is not None and final.finish_reason == "error":
                 self.finish_reason = "error"
-                detail = final.error or "no detail given"
-                raise GenerationError(
-                    500, f"the ledger failed the request: {detail}", "server_error", None
-                )
+                raise ledger_failure(final.error or "no detail given")
             check = len(self.tracker.token_ids) > self.job.min_tokens
             text = self.stops.push(self._text(new_ids), final=final is not None, check=check)
             if self.stops.matched is not None:
@@ -214,6 +215,7 @@ class Generation:
         loop = asyncio.get_running_loop()
         timeout_s = self.gw.config.request_timeout_s
         deadline = loop.time() + timeout_s
+        waiting_since = time.monotonic()
         while (remaining := deadline - loop.time()) > 0:
             if self.client_gone():
                 raise ClientGone("the client disconnected")
@@ -222,6 +224,12 @@ class Generation:
                 async with asyncio.timeout(min(remaining, DISCONNECT_POLL_S)):
                     item = await self._queue.get()
             except TimeoutError:
+                try:
+                    await self.gw.check_progress(waiting_since)
+                except ApiError as exc:
+                    raise GenerationError(
+                        exc.status, exc.message, exc.err_type, "stalled"
+                    ) from None
                 continue
             if item is SHUTDOWN:
                 raise GenerationError(
@@ -272,3 +280,12 @@ def _abort_reason(exc: BaseException) -> str:
     if isinstance(exc, asyncio.CancelledError | ConnectionError):
         return "client_disconnected"
     return "gateway_error"
+
+
+def ledger_failure(detail: str) -> GenerationError:
+    """The ledger's explicit error for one request: the request's own fault (a field the
+    ledger refused, or settings a worker could not sample with) is a 400, the rest a 500."""
+    message = f"the ledger failed the request: {detail}"
+    if detail.startswith(LEDGER_FIELD_PREFIX) or detail.startswith(WORKER_FAILED_PREFIX):
+        return GenerationError(400, message, "invalid_request_error", None)
+    return GenerationError(500, message, "server_error", None)

@@ -101,7 +101,38 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad_request("the request body is not valid JSON: nested too deeply", None) from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None)
+    where = _unencodable(body, "")
+    if where is not None:
+        # A JSON escape such as "\ud800" decodes to a lone surrogate, which no tokenizer encodes.
+        raise bad_request(
+            f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); "
+            "text must be valid Unicode",
+            where or None,
+        )
     return body
+
+
+def _unencodable(value: Any, where: str) -> str | None:
+    """The path of the first string (key or value) that UTF-8 cannot encode, or None."""
+    stack = [(value, where)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                name = f"{where}.{key}" if where else str(key)
+                try:
+                    key.encode()
+                except UnicodeEncodeError:
+                    return where or "body"
+                stack.append((item, name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 def _refuse_constant(name: str) -> None:

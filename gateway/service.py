@@ -29,6 +29,7 @@ from services.tokenizer import Tokenizer
 
 log = get_logger("gateway")
 
+STALL_POLL_S = 1.0  # waiting requests share one status read a second
 STATUS_MAX_AGE_S = 0.1  # coalesces status reads when many requests arrive at once
 LEDGER_POLL_S = 0.1
 RETRY_AFTER_S = 1
@@ -62,6 +63,8 @@ class Gateway:
         self.closing = False
         self._status: LedgerStatus | None = None
         self._status_read_at = -1e9
+        # Since when the last status reads found no ledger (or one without workers); None: fine.
+        self.stalled_since: float | None = None
         self._aborts: set[asyncio.Task] = set()
 
     # --- ledger liveness ---------------------------------------------------------------------
@@ -86,7 +89,39 @@ class Gateway:
         if status is not None and status.metrics and self.routing.replica_set is None:
             self.metrics.mirror_ledger(LedgerSnapshot.from_dict(status.metrics))
         self._status, self._status_read_at = status, now
+        if status is not None and status.num_workers > 0:
+            self.stalled_since = None
+        elif self.stalled_since is None:
+            self.stalled_since = now
         return status
+
+    async def check_progress(self, last_output_at: float) -> None:
+        """Fail a waiting request that cannot progress: no ledger status key (it expires 5 s
+        after the ledger's last write) or no workers for stall_timeout_s, and no output for as
+        long. Only a lasting absence counts, so a ledger late under load is not declared dead."""
+        try:
+            status = await self.ledger_status(max_age_s=STALL_POLL_S)
+        except RedisError as exc:
+            log.warning("ledger_status_unreadable", error=str(exc))
+            status = None
+            if self.stalled_since is None:
+                self.stalled_since = time.monotonic()
+        if self.stalled_since is None:
+            return
+        stalled_s = time.monotonic() - max(self.stalled_since, last_output_at)
+        if stalled_s < self.config.stall_timeout_s:
+            return
+        what = (
+            "the ledger has had no worker" if status is not None else "no ledger has been running"
+        )
+        raise ApiError(
+            503,
+            f"{what} for {stalled_s:.0f}s (--stall-timeout {self.config.stall_timeout_s:g}s, "
+            f"KVLEDGER_STALL_TIMEOUT); the request was aborted. "
+            + self.unavailable_message(status),
+            err_type="service_unavailable_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     async def wait_for_ledger(self) -> LedgerStatus:
         """The status of a live ledger with at least one worker, waiting up to ledger_wait_s

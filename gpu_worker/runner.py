@@ -45,6 +45,15 @@ class StepError(ValueError):
     """A step the runner refuses before touching any state or tensor; names request and problem."""
 
 
+class RequestsFailed(RuntimeError):
+    """The step failed because of these requests alone (req_id -> the error each one raised):
+    sampled one at a time, every other request of the batch went through."""
+
+    def __init__(self, errors: dict[str, str]) -> None:
+        super().__init__("; ".join(f"request {r}: {e}" for r, e in errors.items()))
+        self.errors = errors
+
+
 @dataclass(slots=True)
 class RunnerConfig:
     model: str = "default"  # a Hugging Face folder, or "default" for the seeded tiny Llama
@@ -294,7 +303,14 @@ class ModelRunner:
         last = plan.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last[rows]])
         sampling = [chunks[i] for i in rows]
-        tokens = sample(logits, [self._sample_request(c.state) for c in sampling], self._generator)
+        requests = [self._sample_request(c.state) for c in sampling]
+        try:
+            tokens = sample(logits, requests, self._generator)
+        except Exception as exc:
+            culprits = self._culprits(logits, sampling, requests)
+            if not culprits:
+                raise
+            raise RequestsFailed(culprits) from exc
         asking = [j for j, c in enumerate(sampling) if c.state.sampling.logprobs is not None]
         logprobs = gather_logprobs(
             logits[asking],
@@ -308,6 +324,19 @@ class ModelRunner:
         sampled = {c.req_id: t for c, t in zip(sampling, tokens, strict=True)}
         by_req = {sampling[j].req_id: lp for j, lp in zip(asking, logprobs, strict=True)}
         return StepOutput(sampled, logits, len(input_ids), by_req, prompt_logprobs)
+
+    def _culprits(
+        self, logits: torch.Tensor, sampling: list[_Chunk], requests: list[SampleRequest]
+    ) -> dict[str, str]:
+        """Which rows fail when sampled alone (the step is lost anyway: the ledger re-runs it,
+        so drawing from the generators here changes no result the client sees)."""
+        errors = {}
+        for j, (chunk, request) in enumerate(zip(sampling, requests, strict=True)):
+            try:
+                sample(logits[j : j + 1], [request], self._generator)
+            except Exception as exc:
+                errors[chunk.req_id] = f"{type(exc).__name__}: {exc}"
+        return errors
 
     def _prompt_logprobs(
         self, chunks: list[_Chunk], hidden: torch.Tensor, query_start: list[int]

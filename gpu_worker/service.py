@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import torch
 from opentelemetry.trace import SpanKind
 
-from gpu_worker.runner import ModelRunner, StepError, StepOutput
+from gpu_worker.runner import ModelRunner, RequestsFailed, StepError, StepOutput
 from observability import Attr, SpanName, get_logger, links_from_traceparents
 from services import registry, transport
 from services.config import WorkerConfig
@@ -178,9 +178,16 @@ class WorkerService:
         started = time.perf_counter()
         start_ns = time.time_ns()
         error = None
+        failed: dict[str, str] | None = None
         output = StepOutput({}, None, 0)
         try:
             output = await asyncio.to_thread(self.runner.run_step, step)
+        except RequestsFailed as exc:
+            error, failed = (
+                f"step {step.step_id} failed on {len(exc.errors)} request(s)",
+                exc.errors,
+            )
+            log.error("requests_failed", step_id=step.step_id, errors=exc.errors)
         except StepError as exc:
             error = f"step {step.step_id} refused: {exc}"
             log.error("step_refused", step_id=step.step_id, error=str(exc))
@@ -200,6 +207,7 @@ class WorkerService:
             execute_seconds=elapsed,
             error=error,
             leader_token=step.leader_token,
+            failed_requests=failed,
         )
 
     def _trace_step(self, step: StepMessage, start_ns: int, error: str | None) -> None:

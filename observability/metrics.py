@@ -141,6 +141,13 @@ class LedgerMetrics:
             registry=registry,
         )
         self._worker_labels: set[tuple[str, str, str]] = set()
+        self._failed_requests = Counter(
+            "kvledger_failed_requests",
+            "Requests failed because a worker step failed with them: named by the worker "
+            "(worker_error) or after too many failed steps (quarantined).",
+            ("reason",),
+            registry=registry,
+        )
 
     def set_workers(self, workers: Mapping[str, tuple[str, str]]) -> None:
         """The live workers: worker id -> (device, attention backend)."""
@@ -186,6 +193,9 @@ class LedgerMetrics:
 
     def record_redis_outage(self, loop: str) -> None:
         self._redis_outages.labels(loop=loop).inc()
+
+    def record_failed_requests(self, reason: str, count: int) -> None:
+        self._failed_requests.labels(reason=reason).inc(count)
 
     def snapshot(self) -> LedgerSnapshot:
         """The current values, read back from the registry so they match the exposition."""

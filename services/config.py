@@ -53,6 +53,10 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_METRICS_PORT": "port of the ledger's Prometheus endpoint (default 9100, 0 = off)",
     "KVLEDGER_REQUEST_TIMEOUT": "seconds a request may take before the gateway aborts it (default 600)",
     "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
+    "KVLEDGER_STALL_TIMEOUT": "seconds a waiting request lives without a ledger or workers and "
+    "without output before a 503 (default 60)",
+    "KVLEDGER_MAX_REQUEST_FAILURES": "failed steps a request may take part in before the ledger "
+    "quarantines it (default 3)",
     "KVLEDGER_SEED": "seed of the default model's random weights (default 0)",
     "KVLEDGER_KERNELS": "attention backend: auto (default), cuda, or reference (the torch reference, even on a GPU)",
     "KVLEDGER_KERNEL_CACHE": "where JIT-built CUDA kernels are cached (default ~/.cache/kvledger/kernels)",
@@ -357,6 +361,12 @@ class LedgerConfig(CommonConfig, EngineShape):
     worker_ttl_s: float = _opt(
         None, 6.0, "seconds without a worker heartbeat before it counts as lost", float
     )
+    max_request_failures: int = _opt(
+        "KVLEDGER_MAX_REQUEST_FAILURES",
+        3,
+        "failed steps a request may take part in before it is quarantined (failed with an error)",
+        int,
+    )
     snapshot_interval_s: float = _opt(None, 1.0, "seconds between KV-event snapshots", float)
     leader_ttl_s: float = _opt(
         None, 5.0, "seconds a leader's lease lasts unrenewed; a standby takes over after it", float
@@ -430,6 +440,14 @@ class GatewayConfig(CommonConfig, EngineShape):
         "KVLEDGER_REQUEST_TIMEOUT", 600.0, "seconds before a request is aborted", float
     )
     ledger_wait_s: float = _opt(None, 10.0, "seconds to wait for a live ledger before 503", float)
+    stall_timeout_s: float = _opt(
+        "KVLEDGER_STALL_TIMEOUT",
+        60.0,
+        "seconds a waiting request lives without a ledger (its status key expired) or without "
+        "workers, and without output, before it fails with a 503",
+        float,
+        flags=("--stall-timeout",),
+    )
     max_body_bytes: int = _opt(
         None, 4 * 1024 * 1024, "largest request body accepted (413 above)", int
     )

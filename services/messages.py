@@ -149,6 +149,9 @@ class StepResult(Message, tag="result"):
     execute_seconds: float = 0.0
     error: str | None = None  # set when the worker could not run the step
     leader_token: int = 0  # the step's token, echoed: the ledger drops results of another
+    # Set with `error` when the step failed because of these requests alone (req_id -> why):
+    # the ledger fails them and re-runs the others.
+    failed_requests: dict[str, str] | None = None
 
 
 class RequestOutput(Record):

@@ -121,6 +121,25 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.from_url(url, decode_responses=False, **kwargs)
 
 
+def connect_pooled(
+    url: str, max_connections: int, pool_timeout_s: float, **kwargs: Any
+) -> aioredis.Redis:
+    """A client whose commands wait up to `pool_timeout_s` for one of `max_connections`
+    connections: redis-py's default pool fails a command past 100 connections instead, which
+    turned a burst of concurrent requests into errors."""
+    kwargs.setdefault("socket_timeout", None)
+    kwargs.setdefault("socket_connect_timeout", 5)
+    kwargs.setdefault("health_check_interval", 30)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=pool_timeout_s,
+        decode_responses=False,
+        **kwargs,
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
 async def append(
     r: aioredis.Redis, stream: str, msg: wire.Message, maxlen: int | None = 100_000
 ) -> bytes:

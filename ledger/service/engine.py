@@ -26,6 +26,7 @@ from ledger.core.request import Request, RequestStatus
 from ledger.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from ledger.service.event_stream import KVEventStream
 from ledger.service.leadership import Leadership
+from ledger.service.quarantine import Quarantine
 from ledger.service.step_results import StepResults
 from ledger.service.telemetry import LedgerTelemetry
 from ledger.service.translate import (
@@ -82,6 +83,7 @@ class LedgerService:
             self._count_outage,
             leader_token=lambda: self.leadership.token,
         )
+        self.quarantine = Quarantine(config.max_request_failures)
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
         # The last step's results, sent to the gateways while the workers run the next step.
@@ -290,6 +292,7 @@ class LedgerService:
             result = await self._await_results(out)
             if result is None:
                 in_flight.clear()
+                await self._fail_culprits(out)
                 await self._workers_changed("a step failed on a worker")
                 continue
             file_logprobs(out, result)
@@ -312,6 +315,19 @@ class LedgerService:
             out, dict(self.workers), self.cfg.step_timeout_s,
             give_up=lambda: self.membership_changed or self.stopping.is_set(),
         )  # fmt: skip
+
+    async def _fail_culprits(self, out: SchedulerOutput[Tracked]) -> None:
+        """After a worker reported a failed step: fail the requests it named, or those that
+        took part in too many failed steps, with an error to their clients."""
+        assert self.scheduler is not None
+        failure = self.step_results.take_failure()
+        doomed, reason = self.quarantine.judge(out.num_scheduled_tokens, failure)
+        if doomed and self.metrics is not None:
+            self.metrics.record_failed_requests(reason, len(doomed))
+        for req_id, error in doomed.items():
+            for request in self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED):
+                log.error("request_failed", req_id=req_id, reason=reason, error=error)
+                await self._finish_tracking(request, request_output(request, [], "error", error))
 
     async def _workers_changed(self, reason: str) -> None:
         """The workers' KV data can no longer be trusted: recompute everything from scratch."""
@@ -425,6 +441,7 @@ class LedgerService:
         self, request: Request[Tracked], final: RequestOutput | None
     ) -> None:
         tracked = request.payload
+        self.quarantine.forget(request.request_id)
         if self.telemetry is not None:
             self.telemetry.request_finished(request.request_id)
         if final is not None:

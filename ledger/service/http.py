@@ -29,6 +29,8 @@ def metrics_app(service: LedgerService) -> web.Application:
         }
         body: dict[str, object] = {"status": "ok", "epoch": service.epoch}
         body.update(capacity=service.capacity, leader_token=service.leadership.token)
+        if not workers:  # not ready: every worker is lost, nothing can compute
+            return web.json_response({**body, "status": "no_workers", "workers": {}}, status=503)
         return web.json_response({**body, "workers": workers})
 
     async def metrics(request: web.Request) -> web.StreamResponse:

@@ -41,6 +41,9 @@ class StepResults:
         self.leader_token = leader_token
         self.on_outage = on_outage
         self.results: dict[int, dict[str, StepResult]] = {}
+        # The error a worker reported for the last failed step (None after a timeout or a lost
+        # worker: not a request's fault), read once by the engine loop.
+        self.failure: StepResult | None = None
         self.arrived = asyncio.Event()
 
     async def read_forever(self) -> None:
@@ -97,6 +100,7 @@ class StepResults:
         for worker_id, result in sorted(results.items()):
             if result.error is not None:
                 log.error("step_failed", step_id=step_id, worker_id=worker_id, error=result.error)
+                self.failure = result
                 return None
         primary = results[min(workers)]
         for worker_id, result in results.items():
@@ -117,6 +121,10 @@ class StepResults:
             )  # fmt: skip
             return None
         return primary
+
+    def take_failure(self) -> StepResult | None:
+        failure, self.failure = self.failure, None
+        return failure
 
     def clear(self) -> None:
         self.results.clear()

@@ -6,6 +6,7 @@ the I/O, this module decides what the messages say.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from services.messages import (
     GenerateRequest,
     NewRequestData,
     RequestOutput,
+    SamplingParams,
     StepMessage,
     StepResult,
     TokenLogprobs,
@@ -54,13 +56,53 @@ def validate_request(msg: GenerateRequest, vocab_size: int, max_model_len: int) 
             "field 'sampling': temperature >= 0, 0 < top_p <= 1, top_k >= 0 and min_tokens >= 0 "
             "are required"
         )
+    return _check_numbers(s)
+
+
+# vLLM's SamplingParams: a temperature below _SAMPLING_EPS is greedy, a positive one below
+# _MAX_TEMP is raised to it (dividing logits by less overflows float32).
+SAMPLING_EPS, MAX_TEMP = 1e-5, 1e-2
+MAX_ABS_LOGIT_BIAS = 100.0  # vLLM clamps a bias to [-100, 100]
+
+
+def _check_numbers(s: SamplingParams) -> str | None:
+    """Every float a worker computes with must be finite and in vLLM's range: one NaN or
+    infinity would break the whole batch's sampling on every worker."""
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):  # fmt: skip
+        value = getattr(s, name)
+        if not math.isfinite(value):
+            return f"field 'sampling.{name}': must be a finite number, got {value}"
+    if not 0 <= s.min_p <= 1:
+        return f"field 'sampling.min_p': must be in [0, 1], got {s.min_p}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(s, name) <= 2:
+            return f"field 'sampling.{name}': must be in [-2, 2], got {getattr(s, name)}"
+    if s.repetition_penalty <= 0:
+        return f"field 'sampling.repetition_penalty': must be > 0, got {s.repetition_penalty}"
+    for token, bias in (s.logit_bias or {}).items():
+        if not math.isfinite(bias):
+            return f"field 'sampling.logit_bias': token {token} has a bias of {bias}"
     return None
+
+
+def normalize_sampling(s: SamplingParams) -> None:
+    """vLLM's normalisation of a checked request's sampling settings, in place."""
+    if s.temperature < SAMPLING_EPS:
+        s.temperature = 0.0
+    elif s.temperature < MAX_TEMP:
+        s.temperature = MAX_TEMP
+    if s.logit_bias:
+        s.logit_bias = {
+            t: min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, b)) for t, b in s.logit_bias.items()
+        }
 
 
 def request_from_message(
     msg: GenerateRequest, entry: Entry | None, hasher: BlockHasher | None, block_size: int
 ) -> Request[Tracked]:
     s = msg.sampling
+    normalize_sampling(s)
     return Request(
         msg.req_id,
         msg.prompt_token_ids,
@@ -97,7 +139,10 @@ def file_logprobs(out: SchedulerOutput[Tracked], result: StepResult) -> None:
 
 
 def request_output(
-    request: Request[Tracked], new_token_ids: list[int], finish_reason: str | None = None
+    request: Request[Tracked],
+    new_token_ids: list[int],
+    finish_reason: str | None = None,
+    error: str | None = None,
 ) -> RequestOutput:
     """What a gateway hears about a request: its new tokens (with their logprobs, and the
     prompt's with the first token, when asked) and, at the end, why it ended."""
@@ -119,6 +164,7 @@ def request_output(
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         num_preemptions=request.num_preemptions,
+        error=error,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )

@@ -142,7 +142,8 @@ class FakeLedger:
 
     async def __aenter__(self) -> FakeLedger:
         self.streams = StreamNames(self.prefix)
-        self.redis = transport.connect(self.redis_url)
+        # Every answer is its own task: they wait for a connection rather than fail past a cap.
+        self.redis = transport.connect_pooled(self.redis_url, 64, 30.0)
         self._answers: dict[str, asyncio.Task] = {}
         await self._write_status()
         self._tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._serve())]

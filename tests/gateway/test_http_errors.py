@@ -71,6 +71,13 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str | None, str]] = [
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "only text"),
     ("chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs", "must be a boolean"),
+    ("completions", {"prompt": "\ud800abc"}, "prompt", "lone UTF-16 surrogate"),
+    ("completions", {"prompt": ["ok", "a\udfff"]}, "prompt[1]", "lone UTF-16 surrogate"),
+    ("completions", {"prompt": "x", "stop": ["\ud800"]}, "stop[0]", "lone UTF-16 surrogate"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800abc"}]},
+     "messages[0].content", "lone UTF-16 surrogate"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udc00"}]}]}, "messages[0].content[0].text", "surrogate"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0},
      "max_completion_tokens", ">= 1"),
     ("chat/completions", {"messages": CHAT, "max_tokens": 100}, "max_tokens",
@@ -214,3 +221,24 @@ async def test_unknown_routes_get_404_and_wrong_methods_405(start_gateway):
     assert resp.status == 405
     assert "POST" in resp.headers["Allow"]
     assert_error(await resp.json(), None, "use POST")
+
+
+async def test_an_authorization_header_that_is_not_utf8_gets_401(
+    start_gateway, start_ledger, no_api_key
+):
+    no_api_key.setenv("KVLEDGER_API_KEY", "s3cret-key")
+    await start_ledger()
+    client = await start_gateway()
+    body = b'{"prompt": "x", "max_tokens": 1}'
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer \xff\xfe\xc3(\r\nConnection: close\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    await writer.drain()
+    reply = await reader.read()
+    writer.close()
+    status_line = reply.split(b"\r\n", 1)[0]
+    assert status_line.split()[1] == b"401", reply[:300]
+    assert b"authentication_error" in reply

@@ -246,3 +246,20 @@ async def test_serve_runs_until_cancelled(make_config, start_ledger):
             raise AssertionError("the gateway still listens after serve() was cancelled")
         except aiohttp.ClientConnectionError:
             pass
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "field 'sampling.temperature': must be a finite number, got nan",
+        "the worker failed on this request: RuntimeError: probability tensor contains nan",
+    ],
+)
+async def test_a_ledger_error_the_request_caused_gives_400(start_gateway, start_ledger, error):
+    await start_ledger(Script(error=error))
+    client = await start_gateway()
+    resp = await client.post("/v1/completions", json={"prompt": "x"})
+    assert resp.status == 400
+    body = await resp.json()
+    assert_error(body, None, f"the ledger failed the request: {error}")
+    assert body["error"]["type"] == "invalid_request_error"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from ledger.service.translate import validate_request
+from ledger.service.translate import normalize_sampling, validate_request
 from ledger.service.workers import StartupError, membership_changes, plan_pool
 from services.messages import GenerateRequest, SamplingParams, WorkerHello
 
@@ -66,6 +68,21 @@ def test_membership_changes_tell_a_restart_from_a_heartbeat():
         ([1, 2], SamplingParams(max_tokens=0), "'sampling.max_tokens': must be at least 1"),
         ([1] * 100, SamplingParams(max_tokens=30), "exceed max_model_len 128"),
         ([1, 2], SamplingParams(top_p=0.0), "0 < top_p <= 1"),
+        (
+            [1, 2],
+            SamplingParams(temperature=math.nan),
+            "'sampling.temperature': must be a finite number",
+        ),
+        (
+            [1, 2],
+            SamplingParams(temperature=math.inf),
+            "'sampling.temperature': must be a finite number",
+        ),
+        ([1, 2], SamplingParams(min_p=math.nan), "'sampling.min_p': must be a finite number"),
+        ([1, 2], SamplingParams(min_p=1.5), "'sampling.min_p': must be in [0, 1]"),
+        ([1, 2], SamplingParams(presence_penalty=3.0), "'sampling.presence_penalty'"),
+        ([1, 2], SamplingParams(repetition_penalty=0.0), "'sampling.repetition_penalty'"),
+        ([1, 2], SamplingParams(logit_bias={7: math.inf}), "token 7 has a bias of inf"),
     ],
 )
 def test_requests_the_ledger_cannot_run_are_named_by_field(prompt, sampling, message):
@@ -84,3 +101,13 @@ def test_a_valid_request_passes():
         arrival_time=0.0,
     )
     assert validate_request(msg, 32_000, 128) is None
+
+
+@pytest.mark.parametrize(
+    ("temperature", "normalized"), [(1e-300, 0.0), (0.0, 0.0), (1e-3, 1e-2), (0.7, 0.7)]
+)
+def test_sampling_is_normalized_as_vllm_does(temperature, normalized):
+    s = SamplingParams(temperature=temperature, logit_bias={3: 1e30, 4: -500.0, 5: 2.5})
+    normalize_sampling(s)
+    assert s.temperature == normalized
+    assert s.logit_bias == {3: 100.0, 4: -100.0, 5: 2.5}

@@ -85,6 +85,7 @@ class Stack:
         self.workers: dict[str, asyncio.Task] = {}
         self.results: dict[str, Result] = {}
         self._reader: asyncio.Task | None = None
+        self.runner_factory = ModelRunner  # a test may plant a faulty runner (fault injection)
 
     @property
     def streams(self):
@@ -115,7 +116,7 @@ class Stack:
         await asyncio.wait_for(self.ledger.ready.wait(), 30)
 
     async def start_worker(self, worker_id: str) -> WorkerService:
-        runner = ModelRunner(
+        runner = self.runner_factory(
             self.model, self.num_blocks, self.block_size, name="kvledger-tiny-llama"
         )
         cfg = WorkerConfig(

@@ -1,0 +1,108 @@
+"""Poison requests over a real redis-server: a request a worker cannot sample fails alone with
+an explicit error while the requests beside it get exact tokens; one that keeps failing steps
+without being named is quarantined after --max-request-failures; every block is free after."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gpu_worker.runner import ModelRunner
+from services import transport, wire
+from services.messages import GenerateRequest, OutputBatch, SamplingParams, StepMessage
+from tests.services.stack import Stack, dense_greedy
+from tests.services.test_ledger_service import prompts
+
+# Every token masked but one, and that one banned: no probability is left to sample from
+# (torch.multinomial: "probability tensor contains either inf, nan or element < 0").
+NOTHING_TO_SAMPLE = {"temperature": 1.0, "allowed_token_ids": [5], "bad_words_token_ids": [[5]]}
+
+
+def failed_count(stack: Stack, reason: str) -> float:
+    value = stack.ledger.metrics.registry.get_sample_value(
+        "kvledger_failed_requests_total", {"reason": reason}
+    )
+    return value or 0.0
+
+
+async def test_a_request_the_worker_cannot_sample_fails_alone(redis_url, tiny_model):
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        batch = prompts(4, 20, seed=7)
+        for i, prompt in enumerate(batch[:2]):
+            await stack.submit(f"r{i}", prompt, 12)
+        await stack.submit("poison", batch[2], 12, **NOTHING_TO_SAMPLE)
+        await stack.submit("r2", batch[3], 12)
+        results = await stack.wait(["r0", "r1", "r2", "poison"], timeout=120)
+        poison = results["poison"].final
+        assert poison.finish_reason == "error"
+        assert poison.error.startswith("the worker failed on this request: RuntimeError")
+        assert "probability tensor" in poison.error
+        for i, prompt in enumerate([batch[0], batch[1], batch[3]]):
+            assert results[f"r{i}"].final.finish_reason == "length"
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 12), f"r{i}"
+        assert failed_count(stack, "worker_error") == 1
+        assert stack.ledger.manager.num_free_blocks == 63
+        assert not stack.ledger.manager.req_to_blocks
+    finally:
+        await stack.stop()
+
+
+async def test_a_tiny_temperature_from_a_gateway_that_does_not_exist_is_greedy(
+    redis_url, tiny_model
+):
+    """Written straight to the requests stream: 1e-300 is below vLLM's epsilon, so greedy."""
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        prompt = prompts(1, 12, seed=8)[0]
+        msg = GenerateRequest(
+            req_id="tiny-temp", gateway_id="no-such-gateway", prompt_token_ids=prompt,
+            sampling=SamplingParams(max_tokens=4, temperature=1e-300), arrival_time=time.time(),
+        )  # fmt: skip
+        await transport.append(stack.r, stack.streams.requests, msg)
+        await stack.submit("after", prompt, 4)
+        await stack.wait(["after"], timeout=60)
+        entries = await stack.r.xrange(stack.streams.outputs("no-such-gateway"))
+        outs = [o for _, f in entries for o in wire.decode(f[transport.FIELD], OutputBatch).outputs]
+        assert [t for o in outs for t in o.new_token_ids] == dense_greedy(tiny_model, prompt, 4)
+        assert outs[-1].finish_reason == "length"
+        assert stack.results["after"].tokens == dense_greedy(tiny_model, prompt, 4)
+        assert stack.ledger.scheduler.num_preemptions == 0
+    finally:
+        await stack.stop()
+
+
+class FailsWithPoison(ModelRunner):
+    """Fault injection: every step that holds the request 'poison' fails as a whole, and the
+    worker cannot tell which request caused it."""
+
+    def run_step(self, step: StepMessage):
+        if "poison" in step.num_scheduled_tokens:
+            raise RuntimeError("injected fault")
+        return super().run_step(step)
+
+
+async def test_a_request_that_keeps_failing_steps_is_quarantined(redis_url, tiny_model):
+    stack = Stack(redis_url, tiny_model, num_blocks=64, max_request_failures=3)
+    stack.runner_factory = FailsWithPoison
+    await stack.start()
+    try:
+        batch = prompts(3, 20, seed=9)
+        await stack.submit("poison", batch[0], 8)
+        results = await stack.wait(["poison"], timeout=60)
+        final = results["poison"].final
+        assert final.finish_reason == "error"
+        assert final.error.startswith("quarantined: 3 steps with this request failed")
+        assert "injected fault" in final.error
+        assert failed_count(stack, "quarantined") == 1
+        # The service goes on: later requests get exact tokens, every block is free.
+        for i, prompt in enumerate(batch[1:]):
+            await stack.submit(f"r{i}", prompt, 8)
+        results = await stack.wait(["r0", "r1"], timeout=60)
+        for i, prompt in enumerate(batch[1:]):
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 8)
+        await asyncio.sleep(0)
+        assert stack.ledger.manager.num_free_blocks == 63
+        assert stack.ledger.quarantine.strikes == {}
+    finally:
+        await stack.stop()
