@@ -161,6 +161,12 @@ class GatewayRouting:
         )  # fmt: skip
         return decision.replica
 
+    def any_routable(self) -> bool:
+        """One replica (nothing followed) or at least one that is not out."""
+        if self.replica_set is None:
+            return True
+        return any(h is not ReplicaHealth.OUT for h in self.replica_set.healths().values())
+
     def live_status(self) -> LedgerStatus | None:
         """Several replicas: the newest status of one that is not out and has a worker (the
         model's limits are the same on all), else the newest of any."""

@@ -17,9 +17,7 @@ import sys
 import time
 from typing import cast
 
-import redis
-
-from services import wire
+from services import redis_client, wire
 from services.config import StreamNames
 from services.messages import LedgerStatus
 from services.redis_server import RedisServer, RedisServerError, free_port
@@ -247,7 +245,7 @@ def _roles(
 def _wait_for_ledger(
     url: str, streams: StreamNames, children: dict[str, subprocess.Popen], timeout: float
 ) -> LedgerStatus | None:
-    client = redis.Redis.from_url(url)
+    client = redis_client.connect_sync(url)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
