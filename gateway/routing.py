@@ -158,6 +158,7 @@ class GatewayRouting:
         log.debug(
             "routed", replica=decision.replica, policy=self.policy,
             cached_tokens=chosen.cached_tokens, cost=round(chosen.cost, 1),
+            healths={score.replica: score.health.value for score in decision.scores},
         )  # fmt: skip
         return decision.replica
 
