@@ -161,8 +161,15 @@ class GatewayRouting:
         log.debug(
             "routed", replica=decision.replica, policy=self.policy,
             cached_tokens=chosen.cached_tokens, cost=round(chosen.cost, 1),
+            healths={score.replica: score.health.value for score in decision.scores},
         )  # fmt: skip
         return decision.replica
+
+    def any_routable(self) -> bool:
+        """One replica (nothing followed) or at least one that is not out."""
+        if self.replica_set is None:
+            return True
+        return any(h is not ReplicaHealth.OUT for h in self.replica_set.healths().values())
 
     def live_status(self) -> LedgerStatus | None:
         """Several replicas: the newest status of one that is not out and has a worker (the

@@ -130,7 +130,9 @@ class Gateway:
         while True:
             self._refuse_when_closing()
             status = await self.ledger_status()
-            if status is not None and status.num_workers > 0:
+            # Several replicas: one must also be routable (its events followed to the end), or
+            # a gateway just started would refuse what a moment's wait lets it serve.
+            if status is not None and status.num_workers > 0 and self.routing.any_routable():
                 return status
             if time.monotonic() >= deadline:
                 log.warning(

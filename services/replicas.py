@@ -144,6 +144,8 @@ class ReplicaSet:
         state = self.replicas[name]
         now = time.monotonic()
         lag = max(state.events_lag_s(now), state.status_age_s(time.time(), now))
+        if state.status is not None and state.status.num_workers == 0:
+            return ReplicaHealth.OUT  # a ledger without a worker cannot run a step
         return self.limits.health(lag)
 
     def healths(self) -> dict[str, ReplicaHealth]:

@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services import wire
+from services import redis_client, wire
 
 log = logging.getLogger(__name__)
 outage_log = structlog.get_logger("kvledger.redis")
@@ -113,12 +113,8 @@ FIELD = b"m"
 
 
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
-    # redis-py 8 defaults socket_timeout to 5 s, which would cut every XREAD BLOCK longer than
-    # that; blocking reads carry their own timeout, so the socket gets none.
-    kwargs.setdefault("socket_timeout", None)
-    kwargs.setdefault("socket_connect_timeout", 5)
-    kwargs.setdefault("health_check_interval", 30)
-    return aioredis.from_url(url, decode_responses=False, **kwargs)
+    """One Redis server or a Redis Cluster, by the URL's scheme (services.redis_client)."""
+    return redis_client.connect(url, **kwargs)
 
 
 def connect_pooled(
