@@ -99,6 +99,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "r0..rN-1; the gateway routes across them (default: 1, named default)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="workers per replica that shard the model and its KV cache (torch.distributed: "
+        "gloo on the CPU, NCCL on CUDA); a killed rank is restarted and the group re-forms",
+    )
+    p.add_argument(
         "--routing",
         choices=("round_robin", "least_loaded", "approx", "precise"),
         default=None,
@@ -174,6 +182,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print(f"kvledger up: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size < 1:
+        print(
+            f"kvledger up: --tensor-parallel-size must be at least 1, got "
+            f"{args.tensor_parallel_size}",
+            file=sys.stderr,
+        )
+        return 2
     replicas = replica_names(args.replicas)
     ports = [(args.metrics_port + i) if args.metrics_port else free_port() for i in replicas]
     metrics_port = ports[0]
@@ -188,9 +203,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        for role, child_env in _roles(env, replicas, ports):
-            command = [sys.executable, "-m", "kvledger.cli", role.split("-")[0]]
-            children[role] = subprocess.Popen(command, env=child_env)
+        roles = _roles(env, replicas, ports, args.tensor_parallel_size)
+        for role, child_env in roles:
+            children[role] = _spawn(role, child_env)
         status = None
         for name in replicas:
             status = _wait_for_ledger(
@@ -208,8 +223,13 @@ def cmd_up(args: argparse.Namespace) -> int:
                 flush=True,
             )
         while not stopping:
-            for role, child in children.items():
-                if child.poll() is not None:
+            for role, child in list(children.items()):
+                if child.poll() is not None and _restartable(role, child):
+                    # A killed rank of a tensor-parallel group: start it again; the ledger sees
+                    # the group whole once it registers, and the ranks re-form for a new epoch.
+                    print(f"kvledger up: the {role} was killed; restarting it", file=sys.stderr)
+                    children[role] = _spawn(role, dict(roles)[role])
+                elif child.poll() is not None:
                     print(
                         f"kvledger up: the {role} exited with code {child.returncode}; stopping",
                         file=sys.stderr,
@@ -225,21 +245,42 @@ def cmd_up(args: argparse.Namespace) -> int:
             server.stop()
 
 
+def _spawn(role: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvledger.cli", role.split("-")[0]], env=env)
+
+
+def _restartable(role: str, child: subprocess.Popen) -> bool:
+    # Only a rank ended by a signal: one that exits on its own (bad flags, no memory) would
+    # fail the same way again.
+    return "-tp" in role and child.returncode is not None and child.returncode < 0
+
+
 def replica_names(count: int) -> list[str]:
     """One replica keeps the name every service defaults to; several are r0..rN-1."""
     return ["default"] if count == 1 else [f"r{i}" for i in range(count)]
 
 
 def _roles(
-    env: dict[str, str], replicas: list[str], ports: list[int]
+    env: dict[str, str], replicas: list[str], ports: list[int], tp_size: int = 1
 ) -> list[tuple[str, dict[str, str]]]:
-    """(child name, its environment): a ledger and a worker per replica, then the gateway."""
+    """(child name, its environment): a ledger and a worker per replica (a worker per rank
+    under tensor parallelism), then the gateway."""
     roles = []
     several = len(replicas) > 1
     for name, port in zip(replicas, ports, strict=True):
         replica_env = {**env, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(port)}
         suffix = f"-{name}" if several else ""
-        roles += [(f"ledger{suffix}", replica_env), (f"worker{suffix}", replica_env)]
+        roles.append((f"ledger{suffix}", replica_env))
+        if tp_size == 1:
+            roles.append((f"worker{suffix}", replica_env))
+            continue
+        for rank in range(tp_size):
+            rank_env = {
+                **replica_env,
+                "KVLEDGER_TP_RANK": str(rank),
+                "KVLEDGER_TP_SIZE": str(tp_size),
+            }
+            roles.append((f"worker{suffix}-tp{rank}", rank_env))
     gateway_env = {**env, "KVLEDGER_REPLICA": replicas[0], "KVLEDGER_REPLICAS": ",".join(replicas)}
     return [*roles, ("gateway", gateway_env)]
 
@@ -251,7 +292,7 @@ def _wait_for_ledger(
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            for role, child in children.items():
+            for role, child in list(children.items()):
                 if child.poll() is not None:
                     print(
                         f"kvledger up: the {role} exited at start-up with code {child.returncode}",
