@@ -4,6 +4,7 @@ restarted, the group re-forms for a new epoch, and every request still finishes 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -24,8 +25,6 @@ from tests.e2e.test_checkpoints_served import (
 )
 from tests.gpu_worker.checkpoints import ARCHITECTURES, make_tiny_checkpoint
 from tests.services.stack import dense_greedy
-
-MAX_TOKENS = 12
 
 
 def get_text_sync(url: str) -> str:
@@ -60,7 +59,9 @@ def rank_pid(served: Served, rank: int) -> int:
     raise AssertionError(f"no rank {rank} among the children of {served.process.pid}")
 
 
-async def check_wave(served: Served, folder: Path, seed: int) -> None:
+async def check_wave(
+    served: Served, folder: Path, seed: int, kill_rank: int | None = None, max_tokens: int = 12
+) -> None:
     reference = load_checkpoint(folder, dtype="float32")
     rng = random.Random(seed)
     shared = random_prompt(rng, 24)
@@ -68,9 +69,14 @@ async def check_wave(served: Served, folder: Path, seed: int) -> None:
     prompts += [shared + random_prompt(rng, 5), shared + random_prompt(rng, 9)]
     metrics = served.ledger_metrics_url
     preempted = metric_value(get_text_sync(metrics), "vllm:num_preemptions_total")
-    replies = await complete_ids(served.url, prompts, max_tokens=MAX_TOKENS)
+    wave = asyncio.create_task(complete_ids(served.url, prompts, max_tokens=max_tokens))
+    if kill_rank is not None:  # mid-run: once the ledger has stepped the wave a little
+        await asyncio.sleep(0.5)
+        assert not wave.done()
+        os.kill(rank_pid(served, kill_rank), signal.SIGKILL)
+    replies = await wave
     for i, (ids, reply) in enumerate(zip(prompts, replies, strict=True)):
-        assert reply["choices"][0]["token_ids"] == dense_greedy(reference, ids, MAX_TOKENS), i
+        assert reply["choices"][0]["token_ids"] == dense_greedy(reference, ids, max_tokens), i
     text = get_text_sync(metrics)
     assert metric_value(text, "vllm:num_preemptions_total") > preempted
     assert metric_value(text, "vllm:prefix_cache_hits_total") > 0
@@ -99,8 +105,7 @@ async def test_a_killed_rank_is_restarted_and_every_request_finishes_right(tmp_p
     with served_tp(folder, 2) as served:
         await check_wave(served, folder, seed=3)  # the group has formed and served
         victim = rank_pid(served, 1)
-        os.kill(victim, signal.SIGKILL)
-        await check_wave(served, folder, seed=4)  # sent while the rank is down and re-forming
+        await check_wave(served, folder, seed=4, kill_rank=1, max_tokens=40)
         assert rank_pid(served, 1) != victim
         assert served.log_records("workers_changing") or served.log_records("workers_changed")
         deadline = time.monotonic() + 30
