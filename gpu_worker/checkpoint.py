@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.layers import load_shard
 from gpu_worker.model import (
     SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
@@ -20,6 +21,7 @@ from gpu_worker.model import (
     init_random_weights,
     tiny_config,
 )
+from gpu_worker.parallel import SINGLE, TensorParallel
 from services.config import env
 from services.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
 
@@ -44,17 +46,37 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int | None = None,
     max_model_len: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
-    """'default' builds the seeded tiny Llama (KVLEDGER_SEED), anything else is a folder."""
+    """'default' builds the seeded tiny Llama (KVLEDGER_SEED), anything else is a folder.
+    With `tp` of size N, this rank's shard of it."""
     if str(model) != "default":
-        return load_checkpoint(model, dtype=dtype, device=device, max_model_len=max_model_len)
+        return load_checkpoint(
+            model, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp
+        )
     if seed is None:
         seed = int(env("KVLEDGER_SEED", "0") or 0)
     cfg = tiny_config(vocab_size=ByteTokenizer().vocab_size)
     with torch.device(device):
         net = LlamaForCausalLM(cfg)
     init_random_weights(net, seed, muted_token_ids=_unprintable_byte_ids())
+    if tp.size > 1:  # the seeded weights are drawn whole (as at size 1), then sliced
+        net = shard_model(net, tp)
     return net.to(resolve_dtype(dtype, cfg.dtype, device)).eval()
+
+
+def shard_model(full: LlamaForCausalLM, tp: TensorParallel) -> LlamaForCausalLM:
+    """This rank's shard of a whole model (same dtype and device)."""
+    param = next(full.parameters())
+    with torch.device("meta"):
+        net = LlamaForCausalLM(full.config, tp)
+    net = net.to(param.dtype).to_empty(device=param.device)
+    net.tie_weights()
+    for name, tensor in net.named_parameters():
+        whole = full.get_parameter(name)
+        slices = net.full_slices(name)
+        load_shard(tensor, whole if slices is None else whole[slices])
+    return net.eval()
 
 
 def model_name(model: str | Path) -> str:
@@ -98,8 +120,12 @@ def load_checkpoint(
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
-    """The model of a Hugging Face folder, every parameter checked by name and shape."""
+    """The model of a Hugging Face folder, every parameter checked by name and shape.
+
+    Under tensor parallelism each rank reads only its slice of each tensor (safetensors
+    `get_slice`), so a rank's memory holds about 1/N of the weights, never the whole."""
     from safetensors import safe_open
 
     folder = _check_folder(folder)
@@ -107,7 +133,9 @@ def load_checkpoint(
     files = weight_files(folder)
     # Meta construction: no random init of weights we are about to overwrite.
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg)
+        net = LlamaForCausalLM(cfg, tp)
+        # Full shapes to check the checkpoint against, at no memory cost.
+        full_shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(cfg).named_parameters()}
     net = net.to(resolve_dtype(dtype, cfg.dtype, device)).to_empty(device=device)
     net.tie_weights()  # to_empty gives each module its own tensor
     params = dict(net.named_parameters())  # tied lm_head.weight is deduplicated away
@@ -125,7 +153,10 @@ def load_checkpoint(
                         f"unexpected tensor {name!r} in {file.name}: it is not a parameter of "
                         f"{cfg.architecture} with this config.json"
                     )
-                _copy_checked(param, reader.get_tensor(name), name, file)
+                part = reader.get_slice(name)
+                _check_shape(full_shapes[name], tuple(part.get_shape()), name, file)
+                slices = net.full_slices(name)
+                load_shard(param, part[slices] if slices is not None else part[:])
                 loaded.add(name)
     missing = [name for name in params if name not in loaded]
     if missing:
@@ -135,14 +166,12 @@ def load_checkpoint(
     return net.eval()
 
 
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str, file: Path) -> None:
-    if tuple(tensor.shape) != tuple(param.shape):
+def _check_shape(expected: tuple[int, ...], got: tuple[int, ...], name: str, file: Path) -> None:
+    if got != expected:
         raise CheckpointError(
             f"shape mismatch for {name!r} in {file.name}: config.json implies "
-            f"{list(param.shape)}, the checkpoint has {list(tensor.shape)}"
+            f"{list(expected)}, the checkpoint has {list(got)}"
         )
-    with torch.no_grad():
-        param.copy_(tensor)  # casts to the requested dtype and moves to the device
 
 
 def weight_files(folder: Path) -> list[Path]:

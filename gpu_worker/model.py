@@ -14,6 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Slices,
+    VocabParallelEmbedding,
+)
+from gpu_worker.parallel import SINGLE, TensorParallel, kv_head_start, local_heads
 from kernels import AttentionPlan, KVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -159,17 +167,23 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    """This rank's query heads and the KV heads they read (all of them at tensor-parallel size 1)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = local_heads(
+            cfg.num_attention_heads, cfg.num_key_value_heads, tp
+        )
+        self.head_dim = d = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q_start, kv_start = tp.rank * q_size, kv_head_start(cfg.num_key_value_heads, tp) * d
+        hidden, bias = cfg.hidden_size, cfg.qkv_bias
+        self.q_proj = ColumnParallelLinear(hidden, q_start, q_size, bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, kv_start, kv_size, bias, tp)
+        self.v_proj = ColumnParallelLinear(hidden, kv_start, kv_size, bias, tp)
+        self.o_proj = RowParallelLinear(q_start, q_size, hidden, cfg.o_bias, tp)
 
     def forward(
         self,
@@ -205,21 +219,28 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        if cfg.intermediate_size % tp.size:
+            raise ModelConfigError(
+                f"intermediate_size ({cfg.intermediate_size}) is not divisible by "
+                f"tensor_parallel_size ({tp.size})"
+            )
+        size = cfg.intermediate_size // tp.size
+        start, hidden, bias = tp.rank * size, cfg.hidden_size, cfg.mlp_bias
+        self.gate_proj = ColumnParallelLinear(hidden, start, size, bias, tp)
+        self.up_proj = ColumnParallelLinear(hidden, start, size, bias, tp)
+        self.down_proj = RowParallelLinear(start, size, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -236,21 +257,31 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus its LM head; `state_dict()` keys are exactly Hugging Face's."""
+    """The decoder plus its LM head; `state_dict()` keys are exactly Hugging Face's.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With `tp` of size N this is one rank's shard: its query and KV heads, 1/N of each MLP and
+    of the vocabulary (`full_slices` says which part of each checkpoint tensor)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        # What this rank's KV cache and attention hold (the whole model's at size 1).
+        heads = local_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.num_local_heads: int = heads[0]
+        self.num_local_kv_heads: int = heads[1]
         self.tie_weights()
         # Not a buffer: meta-device construction and to_empty() would leave it uninitialised.
         self._inv_freq = rope_inv_freq(cfg)
@@ -275,7 +306,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits on every rank (all-gathered under tensor parallelism)."""
         return self.lm_head(hidden)
+
+    def full_slices(self, name: str) -> Slices | None:
+        """The part of checkpoint tensor `name` this rank holds; None: the whole (norms)."""
+        module_name, _, param = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        slices = getattr(module, "full_slices", None)
+        return None if slices is None else slices(param)
 
     @torch.inference_mode()
     def dense_logits(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def profile_memory(
     bytes_per_block = kv_cache_bytes_per_block(
         settings.block_size,
         cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
+        model.num_local_kv_heads,  # per rank under tensor parallelism
         cfg.head_dim,
         param.element_size(),
     )
@@ -248,7 +248,7 @@ def dummy_batch(
     device = param.device
     lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
     blocks_per_seq = -(-max(lens) // bs)
-    shape = kv_cache_shape(blocks_per_seq * num_seqs, bs, cfg.num_key_value_heads, cfg.head_dim)
+    shape = kv_cache_shape(blocks_per_seq * num_seqs, bs, model.num_local_kv_heads, cfg.head_dim)
     caches = [
         (
             torch.zeros(shape, dtype=param.dtype, device=device),

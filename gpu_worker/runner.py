@@ -15,6 +15,7 @@ import torch
 from gpu_worker.checkpoint import load_model, model_name
 from gpu_worker.logprobs import gather_logprobs
 from gpu_worker.model import LlamaForCausalLM
+from gpu_worker.parallel import TensorParallel
 from gpu_worker.profile import (
     MemoryProfile,
     ProfileSettings,
@@ -64,6 +65,7 @@ class RunnerConfig:
     seed: int | None = None  # default model's weights (None: KVLEDGER_SEED) and unseeded sampling
     kernels: str = "auto"  # attention backend: auto, cuda or reference (kernels.select_backend)
     profile: ProfileSettings = field(default_factory=ProfileSettings)
+    tp: TensorParallel = field(default_factory=TensorParallel)  # this worker's rank and group
 
 
 @dataclass(slots=True)
@@ -121,8 +123,8 @@ class ModelRunner:
         # Chosen once for the worker's life; reported in its hello (WorkerHello.attention_backend).
         self.backend = backend or select_backend(attention_spec(model, block_size))
         shape = kv_cache_shape(
-            num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim
-        )
+            num_blocks, block_size, model.num_local_kv_heads, self.config.head_dim
+        )  # this rank's KV heads for every block id (all of them at tensor-parallel size 1)
         self.kv_caches: list[KVCache] = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -133,6 +135,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.epoch: str | None = None
         self._generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
+        self._seed = seed
         # Decode steps replay CUDA graphs where the backend has them (the CUDA kernels).
         max_blocks = min(num_blocks, -(-self.config.max_position_embeddings // block_size))
         self.backend.use_cuda_graphs(self._forward, block_size, max_blocks)
@@ -158,6 +161,7 @@ class ModelRunner:
             device=device,
             seed=cfg.seed,
             max_model_len=cfg.max_model_len,
+            tp=cfg.tp,
         )
         backend = select_backend(attention_spec(model, cfg.block_size), cfg.kernels)
         settings = dataclasses.replace(cfg.profile, block_size=cfg.block_size)
@@ -174,6 +178,10 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.requests.clear()
+        if self.model.tp.size > 1:
+            # Every rank samples the same full logits: a re-formed group (one rank restarted)
+            # must draw the same unseeded tokens on every rank, so all start over together.
+            self._generator.manual_seed(self._seed)
 
     def execute(self, step: StepMessage) -> dict[str, int]:
         """Run one scheduler step; returns req_id -> sampled token for requests that sample."""
@@ -421,8 +429,8 @@ def attention_spec(model: LlamaForCausalLM, block_size: int) -> AttentionSpec:
     return AttentionSpec(
         device=param.device,
         dtype=param.dtype,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
+        num_heads=model.num_local_heads,
+        num_kv_heads=model.num_local_kv_heads,
         head_dim=cfg.head_dim,
         block_size=block_size,
     )

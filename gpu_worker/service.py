@@ -19,6 +19,7 @@ import torch
 from opentelemetry.trace import SpanKind
 
 from gpu_worker.runner import ModelRunner, RequestsFailed, StepError, StepOutput
+from gpu_worker.tp_service import GroupFormer
 from observability import Attr, SpanName, get_logger, links_from_traceparents
 from services import registry, transport
 from services.config import WorkerConfig
@@ -64,9 +65,12 @@ class WorkerService:
             started_at=time.time(),
             attention_backend=runner.backend.name,
             detail=profile.describe() if profile else "",
+            tp_rank=runner.model.tp.rank,
+            tp_size=runner.model.tp.size,
         )
         self.steps_done = 0
         self.leader_token = 0  # the highest ledger fencing token seen on a step
+        self.tp_group = GroupFormer(config, r, runner.model.tp, runner.device)
 
     async def run(self) -> None:
         with contextlib.suppress(aioredis.ResponseError):
@@ -181,6 +185,9 @@ class WorkerService:
         failed: dict[str, str] | None = None
         output = StepOutput({}, None, 0)
         try:
+            unformed = await self.tp_group.ensure(step.epoch)
+            if unformed is not None:
+                raise StepError(unformed)
             output = await asyncio.to_thread(self.runner.run_step, step)
         except RequestsFailed as exc:
             error, failed = (
@@ -194,6 +201,8 @@ class WorkerService:
         except Exception as exc:  # a failed step must reach the ledger, not kill the worker
             error = f"step {step.step_id} failed: {type(exc).__name__}: {exc}"
             log.exception("step_failed", step_id=step.step_id)
+            if self.runner.model.tp.size > 1:  # a collective failed: this group is gone
+                self.tp_group.broken(step.epoch)
         elapsed = time.perf_counter() - started
         self.steps_done += 1
         self._trace_step(step, start_ns, error)

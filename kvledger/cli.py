@@ -143,6 +143,7 @@ def run_ledger(config: LedgerConfig) -> int:
 
 
 def run_worker(config: WorkerConfig) -> int:
+    from gpu_worker.parallel import TensorParallel, TensorParallelError
     from gpu_worker.profile import ProfileSettings
     from gpu_worker.runner import ModelRunner, RunnerConfig
     from gpu_worker.service import WorkerService, configure_torch_threads
@@ -162,7 +163,23 @@ def run_worker(config: WorkerConfig) -> int:
             else "cpu"
         )
         configure_torch_threads(device)
+        try:
+            tp = TensorParallel(config.tp_rank, config.tp_size)
+        except TensorParallelError as exc:
+            print(f"kvledger worker: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if device.type == "cuda" and tp.size > 1:
+            device = torch.device("cuda", tp.rank % torch.cuda.device_count())  # a GPU per rank
+            if config.kv_cache_memory_bytes is None:
+                # The profile run is a forward pass, a collective the group is not formed for yet.
+                print(
+                    "kvledger worker: --tp-size > 1 on CUDA needs --kv-cache-memory-bytes "
+                    "(the profile run does not run across ranks yet)",
+                    file=sys.stderr,
+                )
+                raise SystemExit(2)
         runner_config = RunnerConfig(
+            tp=tp,
             model=config.model,
             dtype=config.dtype,
             device=str(device),

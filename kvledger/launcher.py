@@ -113,6 +113,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "r0..rN-1; the gateway routes across them (default: 1, named default)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="workers per replica that shard the model and its KV cache (torch.distributed: "
+        "gloo on the CPU, NCCL on CUDA); a killed rank is restarted and the group re-forms",
+    )
+    p.add_argument(
         "--routing",
         choices=("round_robin", "least_loaded", "approx", "precise"),
         default=None,
@@ -205,6 +213,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print(f"kvledger up: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size < 1:
+        print(
+            f"kvledger up: --tensor-parallel-size must be at least 1, got "
+            f"{args.tensor_parallel_size}",
+            file=sys.stderr,
+        )
+        return 2
     replicas = replica_names(args.replicas)
     ports = [
         (args.metrics_port + i) if args.metrics_port else free_port() for i in range(len(replicas))
@@ -215,7 +230,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     supervisor = Supervisor(
         [
             Child(role, [sys.executable, "-m", "kvledger.cli", role.split("-")[0]], child_env)
-            for role, child_env in _roles(env_, replicas, ports)
+            for role, child_env in _roles(env_, replicas, ports, args.tensor_parallel_size)
         ]
     )
     supervisor.install_signal_handlers()
@@ -254,15 +269,26 @@ def replica_names(count: int) -> list[str]:
 
 
 def _roles(
-    env: dict[str, str], replicas: list[str], ports: list[int]
+    env: dict[str, str], replicas: list[str], ports: list[int], tp_size: int = 1
 ) -> list[tuple[str, dict[str, str]]]:
-    """(child name, its environment): a ledger and a worker per replica, then the gateway."""
+    """(child name, its environment): a ledger and a worker per replica (a worker per rank
+    under tensor parallelism), then the gateway."""
     roles = []
     several = len(replicas) > 1
     for name, port in zip(replicas, ports, strict=True):
         replica_env = {**env, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(port)}
         suffix = f"-{name}" if several else ""
-        roles += [(f"ledger{suffix}", replica_env), (f"worker{suffix}", replica_env)]
+        roles.append((f"ledger{suffix}", replica_env))
+        if tp_size == 1:
+            roles.append((f"worker{suffix}", replica_env))
+            continue
+        for rank in range(tp_size):
+            rank_env = {
+                **replica_env,
+                "KVLEDGER_TP_RANK": str(rank),
+                "KVLEDGER_TP_SIZE": str(tp_size),
+            }
+            roles.append((f"worker{suffix}-tp{rank}", rank_env))
     gateway_env = {**env, "KVLEDGER_REPLICA": replicas[0], "KVLEDGER_REPLICAS": ",".join(replicas)}
     return [*roles, ("gateway", gateway_env)]
 

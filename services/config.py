@@ -58,6 +58,10 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_MAX_REQUEST_FAILURES": "failed steps a request may take part in before the ledger "
     "quarantines it (default 3)",
     "KVLEDGER_SEED": "seed of the default model's random weights (default 0)",
+    "KVLEDGER_TP_RANK": "a worker's tensor-parallel rank (default 0)",
+    "KVLEDGER_TP_SIZE": "ranks of a worker's tensor-parallel group (default 1)",
+    "KVLEDGER_TP_HOST": "address rank 0 binds its rendezvous store on (default 127.0.0.1)",
+    "KVLEDGER_TP_PORT": "rank 0's rendezvous port (default 0: any free one, shared via Redis)",
     "KVLEDGER_KERNELS": "attention backend: auto (default), cuda, or reference (the torch reference, even on a GPU)",
     "KVLEDGER_KERNEL_CACHE": "where JIT-built CUDA kernels are cached (default ~/.cache/kvledger/kernels)",
     "KVLEDGER_KERNEL_LIB": "a prebuilt libkvledger_kernels.so to load instead of building one",
@@ -209,6 +213,10 @@ class StreamNames:
     def worker(self, group: str, worker_id: str) -> str:
         """A worker's registration key (`*` as worker_id: the pattern of the group's keys)."""
         return f"{self.base}:workers:{group}:{worker_id}"
+
+    def tp_rendezvous(self, group: str, epoch: str) -> str:
+        """Where rank 0 of a tensor-parallel group publishes its store's host:port for an epoch."""
+        return f"{self.base}:tp:{group}:{epoch}"
 
 
 @dataclass
@@ -421,6 +429,21 @@ class WorkerConfig(CommonConfig, EngineShape):
     max_num_seqs: int = _opt("KVLEDGER_MAX_NUM_SEQS", 64, "maximum requests per step", int)
     heartbeat_s: float = _opt(None, 1.0, "seconds between heartbeats", float)
     ttl_s: float = _opt(None, 6.0, "lifetime of the registration key without a heartbeat", float)
+    tp_rank: int = _opt("KVLEDGER_TP_RANK", 0, "this worker's tensor-parallel rank", int)
+    tp_size: int = _opt(
+        "KVLEDGER_TP_SIZE", 1, "ranks of this worker's tensor-parallel group (1: no sharding)", int
+    )
+    tp_host: str = _opt(
+        "KVLEDGER_TP_HOST",
+        "127.0.0.1",
+        "address rank 0 binds its rendezvous store on and publishes through Redis",
+    )
+    tp_port: int = _opt(
+        "KVLEDGER_TP_PORT", 0, "rank 0's rendezvous port (0: any free port, via Redis)", int
+    )
+    tp_timeout_s: float = _opt(
+        None, 15.0, "seconds a rendezvous or a collective may wait for the other ranks", float
+    )
 
 
 @dataclass

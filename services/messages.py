@@ -137,6 +137,8 @@ class WorkerHello(Message, tag="hello"):
     started_at: float
     attention_backend: str = ""  # "cuda" (kernels/csrc) or "torch-reference", chosen at start-up
     detail: str = ""  # the memory profile, for the ledger's start-up log
+    tp_rank: int = 0  # under tensor parallelism: this worker's shard of the group's model
+    tp_size: int = 1
 
 
 class StepResult(Message, tag="result"):

@@ -38,7 +38,7 @@ from ledger.service.translate import (
     request_output,
     validate_request,
 )
-from ledger.service.workers import membership_changes, plan_pool
+from ledger.service.workers import group_view, membership_changes, plan_pool
 from observability import LedgerMetrics, get_logger, new_registry
 from services import registry, transport
 from services.config import OUTPUTS_TTL_S, LedgerConfig
@@ -165,7 +165,9 @@ class LedgerService:
     async def _wait_for_workers(self) -> list[WorkerHello]:
         announced = 0.0
         while not self.stopping.is_set():
-            workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
+            workers = group_view(
+                await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
+            )
             if len(workers) >= self.cfg.num_workers:
                 self.workers = workers
                 return list(workers.values())
@@ -344,9 +346,9 @@ class LedgerService:
         await self._publish_events(self.manager.take_events())
         self.manager.reset_prefix_cache()
         self.workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
-        self.workers = {
-            w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks
-        }
+        self.workers = group_view(
+            {w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks}
+        )
         log.warning(
             "workers_changed",
             reason=reason,
@@ -506,7 +508,7 @@ class LedgerService:
             await asyncio.sleep(min(1.0, self.cfg.worker_ttl_s / 3))
 
     async def _check_workers_and_status(self) -> None:
-        live = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
+        live = group_view(await registry.live_workers(self.r, self.cfg.streams, self.cfg.group))
         lost, joined = membership_changes(self.workers, live, self.num_gpu_blocks)
         if (lost or joined) and not self.membership_changed:
             # A fresh worker holds none of the cached data, a lost one took its share.

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ledger.core.scheduler import SchedulerOutput
+from ledger.service.workers import primary_worker
 from observability import get_logger
 from services import transport
 from services.messages import StepResult, WorkerHello
@@ -102,7 +103,7 @@ class StepResults:
                 log.error("step_failed", step_id=step_id, worker_id=worker_id, error=result.error)
                 self.failure = result
                 return None
-        primary = results[min(workers)]
+        primary = results[primary_worker(workers)]
         for worker_id, result in results.items():
             # Every worker keeps what it sampled: one that drew differently now holds other tokens.
             if result.sampled_token_ids != primary.sampled_token_ids:

@@ -50,13 +50,43 @@ def plan_pool(
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     device = "GPU" if smallest.device.startswith("cuda") else smallest.device.upper()
+    line = capacity_line(num_blocks, block_size, max_model_len, device)
+    if smallest.tp_size > 1:  # each rank holds its heads' share of every block
+        line += (
+            f" (tensor parallel {smallest.tp_size}: {smallest.bytes_per_block:,} bytes per "
+            f"block per rank)"
+        )
     return PoolPlan(
         num_gpu_blocks=num_blocks,
         vocab_size=min(h.vocab_size for h in hellos),
         model_name=smallest.model_name,
-        capacity_line=capacity_line(num_blocks, block_size, max_model_len, device),
+        capacity_line=line,
         profile=smallest.detail,
     )
+
+
+def group_view(live: dict[str, WorkerHello]) -> dict[str, WorkerHello]:
+    """The workers the ledger may send steps to. Replicated workers (tp_size 1) each count
+    alone; a tensor-parallel group counts only whole: its newest worker of every rank 0..N-1
+    (a restarted rank's old key lingers until its TTL), or nobody while a rank is missing."""
+    size = max((h.tp_size for h in live.values()), default=1)
+    if size == 1:
+        return live
+    newest: dict[int, WorkerHello] = {}
+    for hello in live.values():
+        if hello.tp_size == size and (
+            hello.tp_rank not in newest or hello.started_at > newest[hello.tp_rank].started_at
+        ):
+            newest[hello.tp_rank] = hello
+    if set(newest) != set(range(size)):
+        return {}
+    return {h.worker_id: h for h in newest.values()}
+
+
+def primary_worker(workers: dict[str, WorkerHello]) -> str:
+    """Whose sampled tokens the ledger takes: rank 0 of a tensor-parallel group (the others'
+    results only acknowledge the step), else the first worker id."""
+    return min(workers, key=lambda w: (workers[w].tp_rank, w))
 
 
 def membership_changes(
