@@ -14,7 +14,7 @@ import msgpack
 import redis.asyncio as aioredis
 
 from ledger.core.block_pool import BlockPool
-from ledger.core.events import KVCacheEvent, KVEventBatch, encode_batch
+from ledger.core.events import AnyKVCacheEvent, KVEventBatch, encode_batch
 from ledger.core.hashing import to_event_hash
 from services.config import StreamNames
 
@@ -40,7 +40,7 @@ class KVEventStream:
         self.published = 0
         self._last_snapshot = 0.0
 
-    async def publish(self, events: list[KVCacheEvent], pool: BlockPool, epoch: str) -> int:
+    async def publish(self, events: list[AnyKVCacheEvent], pool: BlockPool, epoch: str) -> int:
         """Append one batch (nothing when there are no events); returns how many events."""
         if not events:
             return 0
