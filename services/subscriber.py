@@ -10,15 +10,12 @@ lost), it starts over from the snapshot.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import msgpack
 import redis.asyncio as aioredis
 
 from ledger.core.events import (
@@ -30,6 +27,7 @@ from ledger.core.events import (
     decode_batch,
 )
 from ledger.core.hashing import BlockHasher, to_event_hash
+from services.checkpoint import CheckpointWriter, decode_snapshot, snapshot_counts
 from services.config import StreamNames
 from services.transport import connect, read_from
 
@@ -91,7 +89,7 @@ class KVEventSubscriber:
     ) -> None:
         self.r = r
         self.streams = StreamNames(prefix, replica)
-        self.checkpoint = Path(checkpoint) if checkpoint else None
+        self.checkpoint = CheckpointWriter(checkpoint) if checkpoint else None
         self.index = PrefixIndex()
         self.last_id: str = "0-0"
         self.batches_applied = 0
@@ -100,11 +98,8 @@ class KVEventSubscriber:
 
     async def start(self, mode: str = "snapshot") -> None:
         """mode: snapshot (the cached blocks now), start (replay the whole stream), or end."""
-        if (
-            self.checkpoint is not None
-            and self.checkpoint.exists()
-            and await self._resume(self.checkpoint)
-        ):
+        if self.checkpoint is not None and self.checkpoint.exists():
+            await self._resume(self.checkpoint)
             return
         if mode == "snapshot":
             await self.bootstrap()
@@ -124,33 +119,37 @@ class KVEventSubscriber:
         if data is None:  # no ledger has published yet: everything is in the stream
             self.last_id = "0-0"
         else:
-            snapshot = msgpack.unpackb(data)
-            self.index.counts.update({h: n for h, n in snapshot["hashes"]})
-            self.last_id = snapshot["stream_id"]
+            snapshot = decode_snapshot(data if isinstance(data, bytes) else data.encode())
+            self.index.counts = snapshot_counts(snapshot)
+            self.last_id = snapshot.stream_id
         self.bootstraps += 1
-        self._save()
+        if self.checkpoint is not None:
+            self.checkpoint.compact(self.last_id, self.index.counts)
 
-    async def _resume(self, checkpoint: Path) -> bool:
-        state = json.loads(checkpoint.read_text())
-        last_id = state["last_id"]
+    async def _resume(self, checkpoint: CheckpointWriter) -> None:
+        last_id, counts, logged = checkpoint.load()
+        self.index.counts = counts
+        for entry_id, data in logged:
+            self.index.apply(decode_batch(data))
+            last_id = entry_id
         first = await self.r.xrange(self.streams.events, count=1)
         if first and _id_tuple(_text(first[0][0])) > _id_tuple(last_id) and last_id != "0-0":
             # Entries after last_id may have been trimmed away: the index could be wrong.
             await self.bootstrap()
-            return True
-        self.index.counts = Counter({int(h): n for h, n in state["counts"]})
+            return
         self.last_id = last_id
-        return True
 
     async def poll(self, block_ms: int | None = 1000, count: int = 256) -> int:
         """Apply what arrived after last_id; returns how many batches."""
         entries = await read_from(
             self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
         )
+        applied: list[tuple[str, bytes]] = []
         for entry_id, fields in entries:
             self.last_id = entry_id.decode()
             try:
-                batch = decode_batch(fields[b"batch"])
+                data = fields[b"batch"]
+                batch = decode_batch(data)
             except (KeyError, EventDecodeError) as exc:
                 # The stream is the ledger's: a reader cannot dead-letter or fix an entry, only
                 # step over it. The index stays right unless the entry held real events.
@@ -164,22 +163,14 @@ class KVEventSubscriber:
                 continue
             self.index.apply(batch)
             self.batches_applied += 1
-        if entries:
-            self._save()
+            applied.append((self.last_id, data))
+        if applied and self.checkpoint is not None:
+            self.checkpoint.append(applied, self.last_id, self.index.counts)
         return len(entries)
 
     async def follow(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self.poll(block_ms=500)
-
-    def _save(self) -> None:
-        if self.checkpoint is None:
-            return
-        tmp = self.checkpoint.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps({"last_id": self.last_id, "counts": list(self.index.counts.items())})
-        )
-        os.replace(tmp, self.checkpoint)
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:

@@ -122,7 +122,10 @@ def connect_pooled(
 ) -> aioredis.Redis:
     """A client whose commands wait up to `pool_timeout_s` for one of `max_connections`
     connections: redis-py's default pool fails a command past 100 connections instead, which
-    turned a burst of concurrent requests into errors."""
+    turned a burst of concurrent requests into errors. A cluster client keeps a pool per node
+    with no such cap, so it is built as any other."""
+    if redis_client.is_cluster_url(url):
+        return redis_client.connect(url, **kwargs)
     kwargs.setdefault("socket_timeout", None)
     kwargs.setdefault("socket_connect_timeout", 5)
     kwargs.setdefault("health_check_interval", 30)

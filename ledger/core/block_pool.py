@@ -12,7 +12,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ledger.core.block import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
-from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from ledger.core.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    AnyKVCacheEvent,
+    BlockRemoved,
+    BlockStored,
+)
 from ledger.core.hashing import to_event_hash
 
 logger = logging.getLogger(__name__)
@@ -107,7 +113,7 @@ class BlockPool:
         # Block 0 stands in block tables where no data is; its ref_cnt is never maintained.
         self.null_block = self.free_block_queue.popleft()
         self.cached_block_hash_to_block = BlockHashToBlockMap()
-        self.kv_event_queue: list[KVCacheEvent] = []
+        self.kv_event_queue: list[AnyKVCacheEvent] = []
         self.record_evictions = record_evictions
         self.evictions: list[Eviction] = []
 
@@ -129,7 +135,9 @@ class BlockPool:
         if self.cached_block_hash_to_block.pop(block_hash, block.block_id) is not None:
             if self.enable_kv_cache_events:
                 self.kv_event_queue.append(
-                    BlockRemoved(block_hashes=[to_event_hash(block_hash)], group_idx=0)
+                    BlockRemoved(
+                        block_hashes=[to_event_hash(block_hash)], medium=MEDIUM_GPU, group_idx=0
+                    )
                 )
             if self.record_evictions:
                 self.evictions.append(Eviction(block.block_id, block_hash, block.stored_by))
@@ -208,6 +216,7 @@ class BlockPool:
                     ),
                     block_size=block_size,
                     lora_id=lora_id,
+                    medium=MEDIUM_GPU,
                     lora_name=lora_name,
                     extra_keys=event_extra_keys,
                     group_idx=0,
@@ -238,7 +247,7 @@ class BlockPool:
         total = self.num_gpu_blocks - 1
         return 1.0 - self.get_num_free_blocks() / total if total else 0.0
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[AnyKVCacheEvent]:
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 

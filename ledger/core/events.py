@@ -1,31 +1,40 @@
 """KV-cache events, byte-compatible with vLLM 0.33's `vllm/distributed/kv_events.py`.
 
-A batch is the msgpack array `[ts, events, data_parallel_rank]`; each event is a msgpack map whose first key is `"type"`,
-followed by the fields in vLLM's declaration order. Fields with a default of None are left out
-while None; the required ones (BlockStored's first seven, BlockRemoved's two) are always there.
-A subscriber written for vLLM's events decodes ours unchanged, and `decode_batch` also reads
-vLLM's older positional events (arrays tagged by their first element).
+The events are msgspec Structs declared as vLLM declares them (tagged maps, `omit_defaults`, the
+batch `array_like`), so msgspec writes the same bytes vLLM's encoder does: a batch is the array
+`[ts, events, data_parallel_rank]`, each event a map whose first key is `"type"`. The decoder
+takes that fast path first and falls back to a generic reader for what msgspec refuses: vLLM's
+older positional events (arrays tagged by their first element), values of unexpected types, and
+malformed input (raised as EventDecodeError with the reason).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
+import msgspec
 
 MEDIUM_GPU = "GPU"
 
 
-@dataclass(slots=True)
-class BlockStored:
+# gc=False: an event holds only lists and scalars, never a cycle, so the collector need not
+# track the structs (the lists inside are tracked as usual); vLLM declares them the same way.
+class KVCacheEvent(
+    msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbid_unknown_fields=True
+):
+    """Base class of the three events (the tag is the class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    # Up to lora_name there is no default, so those fields are always written (None included).
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_GPU
-    lora_name: str | None = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -35,138 +44,67 @@ class BlockStored:
     session_id: str | None = None
     lookahead_token_ids: list[list[int]] | None = None
 
-    REQUIRED: ClassVar[tuple[str, ...]] = (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-    )
 
-
-@dataclass(slots=True)
-class BlockRemoved:
+class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
-    medium: str | None = MEDIUM_GPU
+    medium: str | None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
 
-    REQUIRED: ClassVar[tuple[str, ...]] = ("block_hashes", "medium")
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
-    REQUIRED: ClassVar[tuple[str, ...]] = ()
+# What the ledger emits and decodes; annotations use this union rather than the base class because
+# msgspec decodes a tagged union of concrete structs.
+AnyKVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
-EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
-    cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
-}
-_FIELDS: dict[type, tuple[str, ...]] = {
-    cls: tuple(f.name for f in fields(cls)) for cls in EVENT_TYPES.values()
-}
-
-
-@dataclass(slots=True)
-class KVEventBatch:
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[KVCacheEvent] = field(default_factory=list)
+    events: list[AnyKVCacheEvent]
     data_parallel_rank: int | None = None
 
 
-def _map_header(count: int, capacity: int) -> bytes:
-    # msgspec sizes a struct's map header by how many fields the struct *could* write (every
-    # field plus the "type" tag), then fills in how many it did write. BlockStored (16) thus
-    # always gets a map16 header even with 11 entries; matching it keeps the bytes identical.
-    if capacity <= 15:
-        return bytes((0x80 | count,))
-    if capacity <= 0xFFFF:
-        return b"\xde" + count.to_bytes(2, "big")
-    return b"\xdf" + count.to_bytes(4, "big")
+EVENT_TYPES: dict[str, type[AnyKVCacheEvent]] = {
+    cls.__name__: cls for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
+}
+_FIELDS: dict[type, tuple[str, ...]] = {cls: cls.__struct_fields__ for cls in EVENT_TYPES.values()}
+_REQUIRED: dict[type, tuple[str, ...]] = {
+    cls: cls.__struct_fields__[: len(cls.__struct_fields__) - len(cls.__struct_defaults__)]
+    for cls in EVENT_TYPES.values()
+}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-_PACK = msgpack.Packer(use_bin_type=True).pack
-
-
-def encode_event(event: KVCacheEvent) -> bytes:
-    required = event.REQUIRED
-    fields = _FIELDS[type(event)]
-    parts = [_PACK("type"), _PACK(type(event).__name__)]
-    for name in fields:
-        value = getattr(event, name)
-        if value is None and name not in required:
-            continue
-        parts.append(_PACK(name))
-        parts.append(_PACK(value))
-    return _map_header(len(parts) // 2, len(fields) + 1) + b"".join(parts)
+def encode_event(event: AnyKVCacheEvent) -> bytes:
+    return _ENCODER.encode(event)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     """`[ts, events, data_parallel_rank]`, exactly as vLLM's msgspec encoder writes it."""
-    events = batch.events
-    if len(events) <= 15:
-        header = bytes((0x90 | len(events),))
-    elif len(events) <= 0xFFFF:
-        header = b"\xdc" + len(events).to_bytes(2, "big")
-    else:
-        header = b"\xdd" + len(events).to_bytes(4, "big")
-    return (
-        b"\x93"
-        + _PACK(float(batch.ts))
-        + header
-        + b"".join(encode_event(e) for e in events)
-        + _PACK(batch.data_parallel_rank)
-    )
+    if type(batch.ts) is not float:  # vLLM's ts is always a float; an int would pack as int
+        batch = msgspec.structs.replace(batch, ts=float(batch.ts))
+    return _ENCODER.encode(batch)
 
 
 class EventDecodeError(ValueError):
     pass
 
 
-def _event_from_map(raw: dict[str, Any]) -> KVCacheEvent:
-    kind = raw.get("type")
-    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise EventDecodeError(f"unknown KV event type {kind!r}")
-    fields = _FIELDS[cls]
-    unknown = set(raw) - set(fields) - {"type"}
-    if unknown:
-        raise EventDecodeError(f"{kind}: unknown field(s) {sorted(unknown)}")
-    missing = [name for name in cls.REQUIRED if name not in raw]
-    if missing:
-        raise EventDecodeError(f"{kind}: missing field(s) {missing}")
-    kwargs = {name: raw[name] for name in fields if name in raw}
-    if kwargs.get("extra_keys") is not None:
-        kwargs["extra_keys"] = [tuple(k) if k is not None else None for k in kwargs["extra_keys"]]
-    return cls(**kwargs)
-
-
-def _event_from_array(raw: list[Any]) -> KVCacheEvent:
-    """vLLM's older array_like events: [tag, field0, field1, ...] in declaration order.
-
-    Older releases had fewer trailing fields (no `medium`, no `lora_name`): those read as None.
-    """
-    if not raw or not isinstance(raw[0], str) or raw[0] not in EVENT_TYPES:
-        raise EventDecodeError(f"positional KV event with unknown tag {raw[:1]!r}")
-    cls = EVENT_TYPES[raw[0]]
-    values = raw[1:]
-    minimum = {BlockStored: 4, BlockRemoved: 1, AllBlocksCleared: 0}[cls]
-    if len(values) < minimum:
-        raise EventDecodeError(
-            f"{raw[0]}: {len(values)} positional fields, expected at least {minimum}"
-        )
-    fields = dict(zip(_FIELDS[cls], values, strict=False))
-    for name in cls.REQUIRED:
-        fields.setdefault(name, None)
-    return _event_from_map({"type": raw[0], **fields})
-
-
 def decode_batch(data: bytes) -> KVEventBatch:
     """Parse one batch published by kvledger or by vLLM (map or older positional events)."""
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return decode_batch_generic(data)
+
+
+def decode_batch_generic(data: bytes) -> KVEventBatch:
+    """The slow reader: any layout vLLM ever published, each value taken as it is."""
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:
@@ -183,3 +121,41 @@ def decode_batch(data: bytes) -> KVEventBatch:
             raise EventDecodeError(f"a KV event is a map or an array, got {type(raw).__name__}")
     rank = body[2] if len(body) > 2 else None
     return KVEventBatch(ts=float(body[0]), events=events, data_parallel_rank=rank)
+
+
+def _event_from_map(raw: dict[str, Any]) -> AnyKVCacheEvent:
+    kind = raw.get("type")
+    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise EventDecodeError(f"unknown KV event type {kind!r}")
+    fields = _FIELDS[cls]
+    unknown = set(raw) - set(fields) - {"type"}
+    if unknown:
+        raise EventDecodeError(f"{kind}: unknown field(s) {sorted(unknown)}")
+    missing = [name for name in _REQUIRED[cls] if name not in raw]
+    if missing:
+        raise EventDecodeError(f"{kind}: missing field(s) {missing}")
+    kwargs = {name: raw[name] for name in fields if name in raw}
+    if kwargs.get("extra_keys") is not None:
+        kwargs["extra_keys"] = [tuple(k) if k is not None else None for k in kwargs["extra_keys"]]
+    return cls(**kwargs)
+
+
+def _event_from_array(raw: list[Any]) -> AnyKVCacheEvent:
+    """vLLM's older array_like events: [tag, field0, field1, ...] in declaration order.
+
+    Older releases had fewer trailing fields (no `medium`, no `lora_name`): those read as None.
+    """
+    if not raw or not isinstance(raw[0], str) or raw[0] not in EVENT_TYPES:
+        raise EventDecodeError(f"positional KV event with unknown tag {raw[:1]!r}")
+    cls = EVENT_TYPES[raw[0]]
+    values = raw[1:]
+    minimum = {BlockStored: 4, BlockRemoved: 1, AllBlocksCleared: 0}[cls]
+    if len(values) < minimum:
+        raise EventDecodeError(
+            f"{raw[0]}: {len(values)} positional fields, expected at least {minimum}"
+        )
+    fields = dict(zip(_FIELDS[cls], values, strict=False))
+    for name in _REQUIRED[cls]:
+        fields.setdefault(name, None)
+    return _event_from_map({"type": raw[0], **fields})

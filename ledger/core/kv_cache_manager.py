@@ -14,7 +14,7 @@ from itertools import islice
 from ledger.core.block import KVCacheBlock
 from ledger.core.block_pool import BlockPool, Eviction
 from ledger.core.capacity import cdiv
-from ledger.core.events import KVCacheEvent
+from ledger.core.events import AnyKVCacheEvent
 from ledger.core.hashing import block_extra_keys, to_event_extra_keys
 from ledger.core.request import Request, RequestStatus
 
@@ -243,7 +243,7 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[AnyKVCacheEvent]:
         return self.block_pool.take_events()
 
     def take_evictions(self) -> list[Eviction]:

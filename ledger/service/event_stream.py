@@ -1,8 +1,11 @@
 """The KV-events stream and its snapshot in Redis.
 
-Each batch is one stream entry (field `batch`, vLLM's bytes). The snapshot of the cached blocks
-is written right after a batch by the only writer of the stream, so it is exactly the state as
-of that entry's id: a subscriber loads it and reads the stream from that id on.
+Each batch is one stream entry (field `batch`, vLLM's bytes). The stream keeps a mirror of the
+cached blocks (event hash -> physical blocks) by applying every batch it publishes, so a
+snapshot is the mirror as of one entry id: a subscriber loads it and reads the stream from that
+id on. Periodic snapshots never stall the engine loop: they run as a background task that packs
+the mirror in chunks, yielding between them, while batches published meanwhile go to an overlay
+that is merged back when the snapshot is written.
 
 The stream is capped by memory, not by a count: entries vary in size (a batch of one removal
 is tens of bytes, a long prefill's stored blocks kilobytes), so the MAXLEN of each XADD is the
@@ -11,15 +14,26 @@ budget divided by the average entry seen so far (payload plus Redis' per-entry o
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from array import array
+from itertools import islice
 from typing import cast
 
-import msgpack
 import redis.asyncio as aioredis
 
 from ledger.core.block_pool import BlockPool
-from ledger.core.events import KVCacheEvent, KVEventBatch, encode_batch
+from ledger.core.events import (
+    AllBlocksCleared,
+    AnyKVCacheEvent,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+)
 from ledger.core.hashing import to_event_hash
+from services.checkpoint import KVSnapshot, encode_snapshot, pack_arrays
 from services.config import StreamNames
 
 # Before the first entry: the size measured under load (a few stored blocks per batch).
@@ -28,6 +42,11 @@ ASSUMED_ENTRY_BYTES = 1900
 # MEMORY USAGE (tests/services/test_redis_bounds.py: ~440 bytes per ~330-byte entry).
 ENTRY_OVERHEAD_BYTES = 110
 MIN_MAXLEN = 1000  # subscribers catching up need some history, whatever the budget
+
+log = logging.getLogger(__name__)
+
+# Entries packed between two yields to the loop: about 2 ms of array building on a slow core.
+SNAPSHOT_CHUNK = 50_000
 
 
 class KVEventStream:
@@ -51,7 +70,15 @@ class KVEventStream:
         self.last_id: bytes | None = None
         self.published = 0
         self.batches = 0
-        self._last_snapshot = 0.0
+        self.snapshots_written = 0
+        self.counts: dict[int, int] = {}  # the mirror: what a subscriber at last_id holds
+        self._synced = False
+        # While a snapshot reads `counts`, changes land here (0: the hash is gone) and
+        # `_cleared` says whether `counts` still underlies them.
+        self._overlay: dict[int, int] | None = None
+        self._cleared = False
+        self._snapshot_task: asyncio.Task | None = None
+        self._last_snapshot_start = float("-inf")
 
     @property
     def maxlen(self) -> int:
@@ -59,7 +86,7 @@ class KVEventStream:
         average = self._entry_bytes / self.batches if self.batches else ASSUMED_ENTRY_BYTES
         return max(MIN_MAXLEN, int(self.max_bytes / (average + ENTRY_OVERHEAD_BYTES)))
 
-    async def publish(self, events: list[KVCacheEvent], pool: BlockPool, epoch: str) -> int:
+    async def publish(self, events: list[AnyKVCacheEvent], pool: BlockPool, epoch: str) -> int:
         """Append one batch (nothing when there are no events); returns how many events."""
         if not events:
             return 0
@@ -73,23 +100,116 @@ class KVEventStream:
         self.batches += 1
         self._entry_bytes += len(batch)
         self.published += len(events)
-        if time.monotonic() - self._last_snapshot >= self.snapshot_interval_s:
-            await self.write_snapshot(pool, epoch)
+        if self._synced:
+            self._apply(events)
+        else:  # the pool already holds these events' effects
+            self.sync_from_pool(pool)
+        # The interval runs from the start of the last snapshot, so a slow write does not
+        # stretch it; a snapshot still in flight is never doubled up.
+        now = time.monotonic()
+        if self._snapshot_task is None and now - self._last_snapshot_start >= (
+            self.snapshot_interval_s
+        ):
+            self._last_snapshot_start = now
+            self._snapshot_task = asyncio.create_task(self._snapshot_in_background(epoch))
         return len(events)
 
-    async def write_snapshot(self, pool: BlockPool, epoch: str) -> None:
+    def sync_from_pool(self, pool: BlockPool) -> None:
+        """Rebuild the mirror from the pool itself (a scan of every block: start-up only)."""
+        assert self._overlay is None, "no snapshot may be reading the mirror"
         counts: dict[int, int] = {}
         for block in pool.blocks:
             if block.block_hash is not None:
                 key = to_event_hash(block.block_hash)
                 counts[key] = counts.get(key, 0) + 1
-        snapshot = {
-            "epoch": epoch,
-            "stream_id": (self.last_id or b"0-0").decode(),
-            "block_size": self.block_size,
-            "hash_algo": self.hash_algo,
-            "hashes": [[h, n] for h, n in counts.items()],
-            "written_at": time.time(),
-        }
-        await self.r.set(self.streams.events_snapshot, msgpack.packb(snapshot))
-        self._last_snapshot = time.monotonic()
+        self.counts = counts
+        self._synced = True
+
+    def _apply(self, events: list[AnyKVCacheEvent]) -> None:
+        overlay = self._overlay
+        if overlay is None:
+            counts = self.counts
+            for event in events:
+                if isinstance(event, BlockStored):
+                    for h in event.block_hashes:
+                        counts[h] = counts.get(h, 0) + 1
+                elif isinstance(event, BlockRemoved):
+                    for h in event.block_hashes:
+                        n = counts.pop(h, 0)
+                        if n > 1:
+                            counts[h] = n - 1
+                elif isinstance(event, AllBlocksCleared):
+                    counts.clear()
+            return
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                overlay.clear()
+                self._cleared = True
+                continue
+            delta = 1 if isinstance(event, BlockStored) else -1
+            for h in event.block_hashes:
+                known = overlay.get(h)
+                if known is None:
+                    known = 0 if self._cleared else self.counts.get(h, 0)
+                overlay[h] = max(known + delta, 0)
+
+    def _freeze(self) -> tuple[dict[int, int], str]:
+        self._overlay, self._cleared = {}, False
+        return self.counts, (self.last_id or b"0-0").decode()
+
+    def _thaw(self) -> None:
+        overlay, self._overlay = self._overlay, None
+        assert overlay is not None
+        if self._cleared:
+            self.counts = {h: n for h, n in overlay.items() if n}
+            return
+        counts = self.counts
+        for h, n in overlay.items():
+            if n:
+                counts[h] = n
+            else:
+                counts.pop(h, None)
+
+    async def _snapshot_in_background(self, epoch: str) -> None:
+        try:
+            counts, stream_id = self._freeze()
+            try:
+                hashes, values = array("Q"), array("I")
+                keys, nums = iter(counts.keys()), iter(counts.values())
+                while True:
+                    before = len(hashes)
+                    hashes.extend(islice(keys, SNAPSHOT_CHUNK))
+                    values.extend(islice(nums, SNAPSHOT_CHUNK))
+                    if len(hashes) == before:
+                        break
+                    await asyncio.sleep(0)
+            finally:
+                self._thaw()  # the arrays are a copy: the mirror may change again
+            await self._write(hashes, values, stream_id, epoch)
+        except aioredis.RedisError as exc:
+            log.warning("kv_snapshot_failed error=%s", exc)
+        finally:
+            self._snapshot_task = None
+
+    async def _write(self, hashes: array, values: array, stream_id: str, epoch: str) -> None:
+        hash_array, count_array = pack_arrays(hashes, values)
+        snapshot = KVSnapshot(
+            epoch=epoch,
+            stream_id=stream_id,
+            block_size=self.block_size,
+            hash_algo=self.hash_algo,
+            written_at=time.time(),
+            hash_array=hash_array,
+            count_array=count_array,
+        )
+        await self.r.set(self.streams.events_snapshot, encode_snapshot(snapshot))
+        self.snapshots_written += 1
+
+    async def write_snapshot(self, pool: BlockPool, epoch: str) -> None:
+        """Write the snapshot now (start-up, a new epoch, shutdown), resynced from the pool."""
+        if self._snapshot_task is not None:
+            await asyncio.gather(self._snapshot_task, return_exceptions=True)
+        self.sync_from_pool(pool)
+        counts, stream_id = self.counts, (self.last_id or b"0-0").decode()
+        await self._write(array("Q", counts.keys()), array("I", counts.values()), stream_id, epoch)
+        self._last_snapshot_start = time.monotonic()

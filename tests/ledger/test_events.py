@@ -12,6 +12,7 @@ from ledger.core.events import (
     EventDecodeError,
     KVEventBatch,
     decode_batch,
+    decode_batch_generic,
     encode_batch,
 )
 from ledger.core.hashing import BlockHasher
@@ -83,6 +84,23 @@ def test_decode_round_trips_our_batches():
     assert isinstance(decode_batch(VLLM_CLEARED_BATCH).events[0], AllBlocksCleared)
 
 
+def test_msgspec_decoder_and_the_generic_reader_agree():
+    fast = decode_batch(VLLM_SCENARIO_BATCH)
+    generic = decode_batch_generic(VLLM_SCENARIO_BATCH)
+    assert fast == generic
+    assert fast.events[3].block_hashes == [0xD1ECDF87C874FD55, 0x2E94951059393917]
+    assert fast.events[3].token_ids == list(range(100, 132))
+    assert encode_batch(generic) == VLLM_SCENARIO_BATCH
+
+
+def test_a_whole_number_timestamp_is_written_as_a_float_as_vllm_does():
+    cleared: list = [AllBlocksCleared()]
+    as_int = encode_batch(KVEventBatch(7, cleared, 3))  # type: ignore[arg-type]
+    assert as_int == encode_batch(KVEventBatch(7.0, cleared, 3))
+    assert as_int[1:10] == bytes.fromhex("cb401c000000000000")  # float64 7.0
+    assert decode_batch(as_int).ts == 7.0
+
+
 def test_decoder_accepts_older_positional_events():
     older = msgpack.packb(
         [
@@ -119,6 +137,12 @@ def test_decoder_accepts_older_positional_events():
         (msgpack.packb({"ts": 1}), "array"),
         (msgpack.packb([1.0, [{"type": "BlockExploded"}], None]), "unknown KV event type"),
         (msgpack.packb([1.0, [{"type": "BlockRemoved"}], None]), "missing field"),
+        (
+            msgpack.packb(
+                [1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": None, "c": 1}], None]
+            ),
+            r"unknown field\(s\) \['c'\]",
+        ),
         (msgpack.packb([1.0, [["BlockStored", [1]]], None]), "at least 4"),
     ],
 )
