@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import secrets
 import time
 import uuid
@@ -23,9 +22,12 @@ from ledger.core.events import AllBlocksCleared
 from ledger.core.hashing import BlockHasher
 from ledger.core.kv_cache_manager import KVCacheManager
 from ledger.core.request import Request, RequestStatus
-from ledger.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ledger.service.event_stream import KVEventStream
+from ledger.service.http import status_message
+from ledger.service.intake import RequestIntake
 from ledger.service.leadership import Leadership
+from ledger.service.outputs import GatewayOutputs
 from ledger.service.quarantine import Quarantine
 from ledger.service.step_results import StepResults
 from ledger.service.telemetry import LedgerTelemetry
@@ -41,12 +43,10 @@ from ledger.service.translate import (
 from ledger.service.workers import group_view, membership_changes, plan_pool
 from observability import LedgerMetrics, get_logger, new_registry
 from services import registry, transport
-from services.config import OUTPUTS_TTL_S, LedgerConfig
+from services.config import LedgerConfig
 from services.messages import (
     AbortRequest,
     GenerateRequest,
-    LedgerStatus,
-    OutputBatch,
     RequestOutput,
     StepResult,
     WorkerHello,
@@ -54,10 +54,6 @@ from services.messages import (
 from services.wire import WireError, encode, kind_of
 
 log = get_logger("kvledger.ledger")
-
-# One ledger leads a replica (the lease in `leadership`): a fixed consumer name lets a restarted
-# or standby ledger that takes over re-read the requests its predecessor had not finished.
-CONSUMER = "ledger"
 
 
 class LedgerService:
@@ -72,8 +68,7 @@ class LedgerService:
         self.stopping = asyncio.Event()
         self.crashed: BaseException | None = None
         self.ready = asyncio.Event()
-        self.intake: asyncio.Queue[transport.Entry] = asyncio.Queue()
-        self.intake_event = asyncio.Event()
+        self.intake = RequestIntake(r, self.streams, self._count_outage)
         self.leadership = Leadership(r, self.streams, config.leader_ttl_s)
         self.step_results = StepResults(
             r,
@@ -86,9 +81,7 @@ class LedgerService:
         self.quarantine = Quarantine(config.max_request_failures)
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
-        # The last step's results, sent to the gateways while the workers run the next step.
-        self.unsent: list[RequestUpdate[Tracked]] = []
-        self.requests_reader = transport.GroupReader(r, [self.streams.requests], "ledger", CONSUMER)
+        self.outputs = GatewayOutputs(r, self.streams)
         self.scheduler: Scheduler[Tracked] | None = None
         self.manager: KVCacheManager | None = None
         self.hasher: BlockHasher | None = None
@@ -121,7 +114,7 @@ class LedgerService:
             await self.leadership.release()
 
     async def _lead(self) -> None:
-        await self.requests_reader.ensure_groups("0")
+        await self.intake.reader.ensure_groups("0")
         # Results from before this start belong to a previous epoch: skip them. Results need
         # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
         await self.r.delete(self.streams.results)
@@ -131,9 +124,9 @@ class LedgerService:
         # One ledger serves a group: requests a previous ledger read under another consumer name
         # and never finished become ours, so the reader's first pass over our pending entries
         # hands them out once, with our own unfinished ones.
-        await self.requests_reader.claim_stale(min_idle_ms=0)
+        await self.intake.reader.claim_stale(min_idle_ms=0)
         tasks = [
-            asyncio.create_task(self._intake_loop(), name="intake"),
+            asyncio.create_task(self.intake.read_forever(), name="intake"),
             asyncio.create_task(self.step_results.read_forever(), name="results"),
             asyncio.create_task(self._status_loop(), name="status"),
         ]
@@ -160,7 +153,7 @@ class LedgerService:
             self.crashed = task.exception()
             self.stopping.set()
             self.step_results.arrived.set()
-            self.intake_event.set()
+            self.intake.wake()
 
     async def _wait_for_workers(self) -> list[WorkerHello]:
         announced = 0.0
@@ -268,7 +261,7 @@ class LedgerService:
                 await self._publish_events(self.manager.take_events())
                 await self._flush_outputs()
                 self.telemetry.update_metrics(scheduler, self.manager)
-                await self._wait_for_intake(0.5 if self.workers else 0.2)
+                await self.intake.wait(0.5 if self.workers else 0.2)
                 continue
             if len(in_flight) < depth and self.workers and scheduler.has_unfinished_requests():
                 out = scheduler.schedule()
@@ -288,7 +281,7 @@ class LedgerService:
                 if not out.is_empty and len(in_flight) < depth:
                     continue  # fill the pipeline before waiting
             if not in_flight:
-                await self._wait_for_intake(0.05)
+                await self.intake.wait(0.05)
                 continue
             out, started = in_flight.popleft()
             result = await self._await_results(out)
@@ -298,19 +291,10 @@ class LedgerService:
                 await self._workers_changed("a step failed on a worker")
                 continue
             file_logprobs(out, result)
-            self.unsent.extend(scheduler.update_from_output(out, result.sampled_token_ids))
+            self.outputs.hold(scheduler.update_from_output(out, result.sampled_token_ids))
             if self.metrics is not None:
                 self.metrics.record_step(time.monotonic() - started)
         await self._flush_outputs()
-
-    async def _wait_for_intake(self, timeout: float) -> None:
-        self.intake_event.clear()
-        if self.intake.empty():
-            with contextlib.suppress(TimeoutError):
-                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
-                # that lands as it times out, and the ledger would then never stop.
-                async with asyncio.timeout(timeout):
-                    await self.intake_event.wait()
 
     async def _await_results(self, out: SchedulerOutput[Tracked]) -> StepResult | None:
         return await self.step_results.wait(
@@ -360,8 +344,7 @@ class LedgerService:
     # ------------------------------------------------------------------ requests in
 
     async def _drain_intake(self) -> None:
-        while not self.intake.empty():
-            entry = self.intake.get_nowait()
+        for entry in self.intake.drain():
             try:
                 msg = transport.decode_entry(entry)
             except WireError as exc:
@@ -371,7 +354,7 @@ class LedgerService:
                 await self._add_request(entry, msg)
             elif isinstance(msg, AbortRequest):
                 await self._abort(msg)
-                await self.requests_reader.ack([entry])
+                await self.intake.reader.ack([entry])
             else:
                 await self._dead_letter(
                     entry, f"field 'kind': {kind_of(msg)!r} does not belong on the requests stream"
@@ -394,8 +377,8 @@ class LedgerService:
                 problem = str(exc)
         if problem is not None:
             log.warning("request_rejected", req_id=msg.req_id, error=problem)
-            await self._send(msg.gateway_id, rejection(msg, problem))
-            await self.requests_reader.ack([entry])
+            await self.outputs.send(msg.gateway_id, rejection(msg, problem))
+            await self.intake.reader.ack([entry])
             return
         self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
 
@@ -409,35 +392,12 @@ class LedgerService:
 
     async def _flush_outputs(self) -> None:
         """Stream the last step's tokens to their gateways (held back to overlap the next step)."""
-        updates, self.unsent = self.unsent, []
-        if not updates:
+        if not self.outputs.unsent:
             return
         self.leadership.check()  # a deposed leader's tokens would race its successor's
-        try:
-            await self._append_outputs(updates)
-        except BaseException:
-            self.unsent = updates + self.unsent  # sent again after the outage, none skipped
-            raise
-        for update in updates:
+        for update in await self.outputs.flush():
             if update.finished:
                 await self._finish_tracking(update.request, None)
-
-    async def _append_outputs(self, updates: list[RequestUpdate[Tracked]]) -> None:
-        by_gateway: dict[str, list[RequestOutput]] = {}
-        for update in updates:
-            out = request_output(update.request, update.new_token_ids, update.finish_reason)
-            by_gateway.setdefault(update.request.payload.msg.gateway_id, []).append(out)
-        async with self.r.pipeline(transaction=False) as pipe:
-            for gateway_id, outs in by_gateway.items():
-                batch = encode(OutputBatch(outputs=outs))
-                pipe.xadd(
-                    self.streams.outputs(gateway_id),
-                    {transport.FIELD: batch},
-                    maxlen=100_000,
-                    approximate=True,
-                )
-                pipe.expire(self.streams.outputs(gateway_id), OUTPUTS_TTL_S)
-            await pipe.execute()
 
     async def _finish_tracking(
         self, request: Request[Tracked], final: RequestOutput | None
@@ -448,19 +408,14 @@ class LedgerService:
             self.telemetry.request_finished(request.request_id)
         if final is not None:
             await self._flush_outputs()  # a final output must not overtake tokens held back
-            await self._send(tracked.msg.gateway_id, final)
+            await self.outputs.send(tracked.msg.gateway_id, final)
         if tracked.entry is not None:
-            await self.requests_reader.ack([tracked.entry])
-
-    async def _send(self, gateway_id: str, out: RequestOutput) -> None:
-        stream = self.streams.outputs(gateway_id)
-        await transport.append(self.r, stream, OutputBatch(outputs=[out]))
-        await self.r.expire(stream, OUTPUTS_TTL_S)
+            await self.intake.reader.ack([tracked.entry])
 
     async def _dead_letter(self, entry: transport.Entry, error: str) -> None:
         await transport.dead_letter(self.r, self.streams.dead_letters, entry, error)
         if entry.stream == self.streams.requests:  # results are read without a group: no ack
-            await self.requests_reader.ack([entry])
+            await self.intake.reader.ack([entry])
         if self.metrics is not None:
             self.metrics.record_dead_letter(entry.stream)
 
@@ -478,20 +433,6 @@ class LedgerService:
             await self.events.write_snapshot(self.manager.block_pool, self.epoch)
 
     # ------------------------------------------------------------------ background readers
-
-    async def _intake_loop(self) -> None:
-        reconnect = transport.Reconnect("intake", self._count_outage)
-        while True:
-            try:
-                entries = await self.requests_reader.read(count=256, block_ms=1000)
-            except (RedisError, OSError) as exc:
-                await reconnect.failed(exc)
-                continue
-            reconnect.succeeded()
-            for entry in entries:
-                self.intake.put_nowait(entry)
-            if entries:
-                self.intake_event.set()
 
     async def _status_loop(self) -> None:
         reconnect = transport.Reconnect("status", self._count_outage)
@@ -514,7 +455,7 @@ class LedgerService:
             # A fresh worker holds none of the cached data, a lost one took its share.
             log.warning("workers_changing", lost=lost, joined=joined)
             self.membership_changed = True
-        self.intake_event.set()
+        self.intake.wake()
         await self._write_status()
 
     def attention_backends(self) -> dict[str, str]:
@@ -524,29 +465,8 @@ class LedgerService:
     async def _write_status(self) -> None:
         if not self.leadership.held():
             return  # the status key is the leader's
-        scheduler = self.scheduler
-        status = LedgerStatus(
-            epoch=self.epoch,
-            started_at=self.started_at,
-            updated_at=time.time(),
-            model_name=self.model_name,
-            max_model_len=self.cfg.max_model_len,
-            vocab_size=self.vocab_size,
-            block_size=self.cfg.block_size,
-            num_gpu_blocks=self.num_gpu_blocks,
-            capacity_line=self.capacity,
-            hash_algo=self.cfg.hash_algo,
-            num_workers=len(self.workers),
-            num_running=scheduler.num_running if scheduler else 0,
-            num_waiting=scheduler.num_waiting if scheduler else 0,
-            metrics=self.metrics.snapshot().to_dict() if self.metrics else None,
-            attention_backends=self.attention_backends(),
-            scheduling_policy=self.cfg.policy,
-            async_scheduling=self.cfg.async_scheduling,
-            enable_prefix_caching=self.cfg.enable_prefix_caching,
-        )
         if self.metrics is not None:
             self.metrics.set_workers(
                 {w: (h.device, h.attention_backend) for w, h in self.workers.items()}
             )
-        await self.r.set(self.streams.ledger_status, encode(status), px=5000)
+        await self.r.set(self.streams.ledger_status, encode(status_message(self)), px=5000)
