@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from services.messages import StructuredOutput
@@ -84,7 +83,9 @@ class StructuredOutputs:
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not constrained:
             return
-        bitmask = llg_torch.allocate_token_bitmask(len(constrained), self.vocab_size)
+        # llguidance.torch has these two helpers, but importing it costs seconds (torch._dynamo).
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(constrained), words), -1, dtype=torch.int32)
         matchers: list[tuple[llguidance.LLMatcher, int]] = []
         for j, i in enumerate(constrained):
             row = rows[i]
@@ -100,7 +101,9 @@ class StructuredOutputs:
         if matchers:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llg_torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+            self._executor.unsafe_compute_mask_ptr(
+                matchers, bitmask.data_ptr(), words * 4, len(constrained)
+            )
         allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
         index = torch.tensor(constrained, dtype=torch.long, device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -12,9 +12,12 @@ import llguidance
 import pytest
 import torch
 
+from gpu_worker.checkpoint import load_checkpoint
+from gpu_worker.runner import ModelRunner
 from gpu_worker.structured import GrammarRow, StructuredOutputs, unpack_bitmask
 from services.messages import SamplingParams, StructuredOutput
-from services.tokenizer import ByteTokenizer
+from services.tokenizer import ByteTokenizer, HFTokenizer
+from tests.gpu_worker.checkpoints import TOKENIZER_VOCAB, make_tiny_checkpoint
 from tests.gpu_worker.driver import MiniLedger, generate
 
 TOK = ByteTokenizer()
@@ -116,3 +119,24 @@ def test_unconstrained_rows_of_the_batch_sample_as_alone(make_runner):
 
 def _row(state, output: list[int]) -> GrammarRow:
     return GrammarRow(state, [*PROMPT, *output], len(PROMPT))
+
+
+def test_a_checkpoints_tokenizer_constrains_its_model(tmp_path):
+    # llguidance reads the folder's tokenizer.json; the model's 20 ids past the tokenizer's
+    # vocabulary are never allowed.
+    folder = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    tok = HFTokenizer(folder)
+    runner = ModelRunner(
+        load_checkpoint(folder, dtype="float32"), 64, 4, tokenizer_model=str(folder)
+    )
+    regex = r"(fox|dog) [0-9]{2}"
+    structured = spec("regex", llguidance.LLMatcher.grammar_from_regex(regex))
+    eos = tok.eos_token_ids[0]
+    for seed in (None, 2):
+        sampling = SamplingParams(
+            temperature=0.0 if seed is None else 1.0, seed=seed, eos_token_id=eos,
+            structured=structured,
+        )  # fmt: skip
+        (out,) = generate(runner, [tok.encode("The")], 12, sampling=sampling)
+        assert eos in out and max(out) < TOKENIZER_VOCAB
+        assert re.fullmatch(regex, tok.decode(out[: out.index(eos)])), tok.decode(out)
