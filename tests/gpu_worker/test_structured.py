@@ -140,3 +140,18 @@ def test_a_checkpoints_tokenizer_constrains_its_model(tmp_path):
         (out,) = generate(runner, [tok.encode("The")], 12, sampling=sampling)
         assert eos in out and max(out) < TOKENIZER_VOCAB
         assert re.fullmatch(regex, tok.decode(out[: out.index(eos)])), tok.decode(out)
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_min_tokens_past_a_finished_grammar_does_not_fail_the_step(make_runner, seed):
+    # After "yes" the grammar allows only EOS, which min_tokens bans: nothing is left to
+    # sample. The step goes on (EOS, as the masked logits allow), the other row unharmed.
+    choice = spec("choice", llguidance.LLMatcher.grammar_from_lark('start: "yes" | "no"'))
+    sampling = SamplingParams(
+        temperature=0.0 if seed is None else 1.0, seed=seed, min_tokens=8,
+        eos_token_id=ByteTokenizer.EOS_ID, structured=choice,
+    )  # fmt: skip
+    outs = generate(make_runner(), [PROMPT, PROMPT], 10, sampling=sampling)
+    for out in outs:
+        assert text_until_eos(out) in ("yes", "no")
+        assert set(out[len(text_until_eos(out)) :]) == {ByteTokenizer.EOS_ID}
