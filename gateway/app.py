@@ -192,7 +192,7 @@ def _authorized(request: web.Request, api_key: str) -> bool:
 
 
 def _error_response(exc: ApiError) -> web.Response:
-    body = error_body(exc.message, exc.err_type, exc.param)
+    body = error_body(exc.message, exc.err_type, exc.status, exc.param)
     return web.json_response(body, status=exc.status, headers=exc.headers)
 
 

@@ -91,7 +91,7 @@ _ERROR = {
                 "message": _STR,
                 "type": _STR,
                 "param": {"type": ["string", "null"]},
-                "code": {"type": ["integer", "string", "null"]},
+                "code": {"type": "integer"},  # the HTTP status, as vLLM
             },
         }
     },

@@ -30,8 +30,9 @@ from gateway.fields import (
 from gateway.logits_fields import LogitsFields, read_logits_fields
 from gateway.logprobs import LogprobFields, read_chat_logprobs, read_completion_logprobs
 from gateway.prompts import check_num_sequences, read_best_of, read_n, read_prompts
+from gateway.structured import read_structured
 from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS_FIELDS, check_fields
-from services.messages import SamplingParams
+from services.messages import SamplingParams, StructuredOutput
 from services.tokenizer import ChatTemplateError, Tokenizer
 
 # vLLM's SamplingParams: a positive temperature below _MAX_TEMP is raised to it (smaller ones
@@ -90,6 +91,7 @@ class Job:
     n: int = 1  # choices returned per prompt
     best_of: int | None = None  # completions: samples drawn per prompt, the best n returned
     prompt_index: int = 0  # which prompt of a batch (completions)
+    structured: StructuredOutput | None = None  # response_format / structured_outputs, compiled
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -243,6 +245,7 @@ def _job(
         session_id=read_str(body, "session_id"),
         logits=read_logits_fields(body, tokenizer),
         n=read_n(body),
+        structured=read_structured(body),
     )
 
 
@@ -348,6 +351,7 @@ def sampling_params(job: Job, eos_token_ids: Sequence[int]) -> SamplingParams:
         min_tokens=job.min_tokens,
         stop_token_ids=stop_ids or None,
         eos_token_id=eos,
+        structured=job.structured,
     )
 
 

@@ -142,7 +142,7 @@ async def stream(request: web.Request, gens: list[Generation], meta: Meta) -> we
         await _write_chunks(response, gens, meta)
     except GenerationError as exc:  # headers are gone: the error travels as an event
         with contextlib.suppress(ConnectionError):
-            await response.write(sse(error_body(exc.message, exc.err_type, code=exc.status)))
+            await response.write(sse(error_body(exc.message, exc.err_type, exc.status)))
             await response.write(SSE_DONE)
     except ConnectionError:  # the client hung up mid-stream (run_all told every generation)
         pass

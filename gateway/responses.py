@@ -43,9 +43,8 @@ class Usage:
         }
 
 
-def error_body(
-    message: str, err_type: str, param: str | None = None, code: int | str | None = None
-) -> dict[str, Any]:
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM's ErrorResponse: `code` is the HTTP status (an int, never null)."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
@@ -69,10 +68,12 @@ def final_body(
         choice = {"index": 0, "text": text}
     choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
     if token_ids is not None:
-        choice["prompt_token_ids"], choice["token_ids"] = token_ids
+        choice["token_ids"] = token_ids[1]
     if prompt_logprobs is not None and meta.kind != "chat":
         choice["prompt_logprobs"] = prompt_logprobs
     body = _envelope(meta, streaming=False) | {"choices": [choice], "usage": usage.body()}
+    if token_ids is not None:
+        _put_prompt_token_ids(meta, body, choice, token_ids[0])
     if prompt_logprobs is not None and meta.kind == "chat":
         body["prompt_logprobs"] = prompt_logprobs
     if prompt_text is not None:
@@ -110,11 +111,22 @@ def chunk_body(
     choice.update(logprobs=logprobs, finish_reason=finish_reason)
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
-    if prompt_token_ids is not None:
-        choice["prompt_token_ids"] = prompt_token_ids
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return _envelope(meta, streaming=True) | {"choices": [choice]}
+    body = _envelope(meta, streaming=True) | {"choices": [choice]}
+    if prompt_token_ids is not None:
+        _put_prompt_token_ids(meta, body, choice, prompt_token_ids)
+    return body
+
+
+def _put_prompt_token_ids(
+    meta: Meta, body: dict[str, Any], choice: dict[str, Any], ids: list[int]
+) -> None:
+    # vLLM: in each choice for completions (prompts differ per choice), beside `choices` for chat.
+    if meta.kind == "chat":
+        body["prompt_token_ids"] = ids
+    else:
+        choice["prompt_token_ids"] = ids
 
 
 def usage_chunk(meta: Meta, usage: Usage) -> dict[str, Any]:

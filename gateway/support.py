@@ -90,8 +90,12 @@ _SAMPLING: dict[str, FieldSupport] = {
     ),
     "logprob_token_ids": refused("logprobs of chosen token ids are not served", []),
     "return_tokens_as_token_ids": works("logprobs name tokens 'token_id:<id>'"),
-    "response_format": refused("structured outputs are not yet served", {"type": "text"}),
-    "structured_outputs": refused("structured outputs are not yet served"),
+    "response_format": works(
+        "json_object or json_schema: the output is masked token by token to match (llguidance)"
+    ),
+    "structured_outputs": works(
+        "json, json_object, regex, choice or grammar (Lark or GBNF), as vLLM's llguidance backend"
+    ),
     "repetition_detection": refused("n-gram repetition detection is not served"),
     "thinking_token_budget": refused("no reasoning model is served", -1),
     "vllm_xargs": refused("no custom extension reads them", {}),
@@ -175,6 +179,21 @@ STREAM_OPTIONS_FIELDS: dict[str, FieldSupport] = {
 }
 
 
+STRUCTURED_OUTPUTS_FIELDS: dict[str, FieldSupport] = {
+    "json": works("a JSON schema (object or its JSON text) the output must match"),
+    "json_object": works("true: the output is one JSON object"),
+    "regex": works("the output matches this regular expression (Rust regex syntax)"),
+    "choice": works("the output is exactly one of these strings"),
+    "grammar": works("a Lark or GBNF grammar the output must match"),
+    "disable_any_whitespace": works("JSON without free whitespace between tokens"),
+    "disable_additional_properties": works("objects with properties get no others"),
+    "whitespace_pattern": refused(
+        "only vLLM's xgrammar and outlines backends read it; kvledger runs llguidance"
+    ),
+    "structural_tag": refused("structural tags are not served"),
+}
+
+
 def check_fields(body: dict[str, Any], table: dict[str, FieldSupport], where: str = "") -> None:
     """400 for the first field that is unknown or refused with a value that asks for something."""
     for name, value in body.items():
@@ -212,6 +231,8 @@ def markdown_field_list() -> str:
     ):
         lines += ["", title, ""]
         lines += [_line(n, s) for n, s in table.items() if n not in shared]
+    lines += ["", "Inside `structured_outputs` (one constraint of the first five):", ""]
+    lines += [_line(n, s) for n, s in STRUCTURED_OUTPUTS_FIELDS.items()]
     return "\n".join(lines) + "\n"
 
 

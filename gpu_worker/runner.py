@@ -24,6 +24,7 @@ from gpu_worker.profile import (
     profile_memory,
 )
 from gpu_worker.sampler import SAMPLING_EPS, SampleRequest, position_seed, sample
+from gpu_worker.structured import GrammarError, GrammarRow, GrammarState, StructuredOutputs
 from kernels import (
     AttentionBackend,
     AttentionPlan,
@@ -76,6 +77,7 @@ class RequestState:
     num_computed_tokens: int
     sampling: SamplingParams
     generator: torch.Generator | None  # seeded random sampling only
+    grammar: GrammarState | None = None  # structured outputs: the request's matcher
 
 
 @dataclass(slots=True)
@@ -112,6 +114,7 @@ class ModelRunner:
         name: str = "",
         profile: MemoryProfile | None = None,
         backend: AttentionBackend | None = None,
+        tokenizer_model: str = "default",  # whose tokenizer structured outputs mask over
     ) -> None:
         self.model = model
         self.config = model.config
@@ -136,6 +139,7 @@ class ModelRunner:
         self.epoch: str | None = None
         self._generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
         self._seed = seed
+        self.structured = StructuredOutputs(tokenizer_model, self.config.vocab_size)
         # Decode steps replay CUDA graphs where the backend has them (the CUDA kernels).
         max_blocks = min(num_blocks, -(-self.config.max_position_embeddings // block_size))
         self.backend.use_cuda_graphs(self._forward, block_size, max_blocks)
@@ -174,6 +178,7 @@ class ModelRunner:
             name=model_name(cfg.model),
             profile=profile,
             backend=backend,
+            tokenizer_model=cfg.model,
         )
 
     def reset(self) -> None:
@@ -249,6 +254,10 @@ class ModelRunner:
         state = RequestState(
             [], req.num_prompt_tokens, [], req.num_computed_tokens, req.sampling, generator
         )
+        try:
+            state.grammar = self.structured.new_state(req.sampling.structured)
+        except GrammarError as exc:
+            raise StepError(f"request {req.req_id}: {exc}") from None
         return _Chunk(
             req.req_id,
             state,
@@ -311,6 +320,13 @@ class ModelRunner:
         last = plan.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last[rows]])
         sampling = [chunks[i] for i in rows]
+        self.structured.apply(
+            logits,
+            [
+                GrammarRow(c.state.grammar, c.state.token_ids, c.state.num_prompt_tokens)
+                for c in sampling
+            ],
+        )
         requests = [self._sample_request(c.state) for c in sampling]
         try:
             tokens = sample(logits, requests, self._generator)

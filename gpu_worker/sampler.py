@@ -40,7 +40,13 @@ def sample(
     default_generator: torch.Generator | None = None,
 ) -> list[int]:
     """One token id per row of logits [num_reqs, vocab]."""
-    logits = process_logits(logits, requests)
+    processed = process_logits(logits, requests)
+    dead = ~torch.isfinite(processed).any(dim=-1)
+    if bool(dead.any()):
+        # Every token masked (a finished grammar allows only EOS, which min_tokens bans): the
+        # logits as they came decide, rather than a softmax of NaNs failing the whole step.
+        processed[dead] = logits[dead].float()
+    logits = processed
     tokens = logits.argmax(dim=-1).tolist()
     random_rows = [i for i, r in enumerate(requests) if not r.greedy]
     if random_rows:

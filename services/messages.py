@@ -14,6 +14,14 @@ from __future__ import annotations
 from services.wire import Message, Record
 
 
+class StructuredOutput(Record):
+    """A structured-output constraint, compiled by the gateway into llguidance's grammar text
+    (`LLMatcher.grammar_from_*`): the worker masks every token the grammar does not allow."""
+
+    kind: str  # what the client asked: json, json_object, regex, choice or grammar
+    grammar: str  # llguidance's grammar (its JSON form), valid: the gateway checked it
+
+
 class SamplingParams(Record):
     """vLLM's sampling settings as the worker applies them (batched, in torch)."""
 
@@ -36,6 +44,7 @@ class SamplingParams(Record):
     # chosen token's and the k most likely tokens'.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    structured: StructuredOutput | None = None  # structured outputs (response_format, ...)
 
 
 class TokenLogprobs(Record):

@@ -7,7 +7,8 @@ recomputed, for prompts that hit the prefix cache, and for a chat completion ren
 folder's chat template. A sharded checkpoint answers exactly as the unsharded one.
 
 First-step logits (float32, atol 1e-4 + rtol 1e-4 of transformers' forward) are pinned at the
-runner level by tests/gpu_worker/test_checkpoint.py; the HTTP API exposes no logits.
+runner level by tests/gpu_worker/test_checkpoint.py; over HTTP, greedy `logprobs`,
+`top_logprobs` and `prompt_logprobs` equal transformers' log-softmax within 1e-4.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ async def test_chat_completion_renders_the_folder_template_and_matches_transform
     assert reply["model"] == stack.folder.name
     assert reply["usage"]["prompt_tokens"] == len(expected_prompt)
     choice = reply["choices"][0]
-    assert choice["prompt_token_ids"] == expected_prompt
+    assert reply["prompt_token_ids"] == expected_prompt  # beside the choices for chat, as vLLM
     assert choice["message"]["role"] == "assistant"
     assert choice["token_ids"] == reference_greedy(stack.reference, expected_prompt, 16)
     # Ids past the tokenizer's 300 (the model has 320) decode to nothing, as in transformers.
@@ -235,6 +236,67 @@ async def test_text_prompt_is_tokenized_like_transformers(stack):
     assert choice["prompt_token_ids"] == expected_prompt
     assert choice["token_ids"] == reference_greedy(stack.reference, expected_prompt, 8)
     assert choice["text"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+
+
+LOGPROB_TOL = 1e-4
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: transformers' log-softmax at every position (float32)."""
+    return model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+
+
+def token_id(name: str) -> int:
+    assert name.startswith("token_id:"), name  # return_tokens_as_token_ids
+    return int(name.removeprefix("token_id:"))
+
+
+async def test_greedy_logprobs_over_http_match_transformers_log_softmax(stack):
+    rng = random.Random(3)
+    prompt = random_prompt(rng, 11)
+    body = {
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+        "logprobs": 3, "prompt_logprobs": 2, "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        reply = await post(session, f"{stack.served.url}/v1/completions", body)
+        choice = reply["choices"][0]
+        expected = reference_logprobs(stack.reference, [*prompt, *choice["token_ids"]])
+        lp = choice["logprobs"]
+        for i, (name, value, top) in enumerate(
+            zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)
+        ):
+            row = expected[len(prompt) - 1 + i]
+            assert token_id(name) == choice["token_ids"][i] == int(row.argmax())
+            assert abs(value - row[token_id(name)].item()) < LOGPROB_TOL
+            top_ids = row.topk(3).indices.tolist()
+            assert sorted(token_id(t) for t in top) == sorted(top_ids)
+            for t, v in top.items():
+                assert abs(v - row[token_id(t)].item()) < LOGPROB_TOL
+        assert choice["prompt_logprobs"][0] is None
+        for position, entry in enumerate(choice["prompt_logprobs"][1:], start=1):
+            row = expected[position - 1]
+            assert str(prompt[position]) in entry and 1 <= len(entry) <= 3
+            for tid, info in entry.items():
+                assert abs(info["logprob"] - row[int(tid)].item()) < LOGPROB_TOL
+        chat = await post(
+            session,
+            f"{stack.served.url}/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "The fox?"}], "max_tokens": 5,
+             "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
+             "return_tokens_as_token_ids": True, "return_token_ids": True},
+        )  # fmt: skip
+    ids = [*chat["prompt_token_ids"], *chat["choices"][0]["token_ids"]]
+    expected = reference_logprobs(stack.reference, ids)
+    content = chat["choices"][0]["logprobs"]["content"]
+    for i, entry in enumerate(content):
+        row = expected[len(chat["prompt_token_ids"]) - 1 + i]
+        assert token_id(entry["token"]) == int(row.argmax())
+        assert abs(entry["logprob"] - row.max().item()) < LOGPROB_TOL
+        for top in entry["top_logprobs"]:
+            assert abs(top["logprob"] - row[token_id(top["token"])].item()) < LOGPROB_TOL
 
 
 async def test_sharded_checkpoint_answers_exactly_as_the_unsharded_one(tmp_path):

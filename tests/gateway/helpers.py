@@ -27,5 +27,6 @@ async def read_sse(response: ClientResponse) -> list[Any]:
 def assert_error(body: dict[str, Any], param: str | None, fragment: str = "") -> None:
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert type(error["code"]) is int and 400 <= error["code"] < 600  # the status, as vLLM
     assert error["param"] == param
     assert fragment in error["message"], error["message"]

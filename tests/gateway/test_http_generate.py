@@ -149,6 +149,27 @@ async def test_return_token_ids_for_a_token_prompt_gives_exactly_the_generated_i
     assert streamed == [*TEXT[:3].encode(), EOS]
 
 
+async def test_chat_return_token_ids_puts_the_prompts_beside_the_choices(
+    start_gateway, start_ledger
+):
+    # vLLM's ChatCompletionResponse (and its first chunk) carry prompt_token_ids at the top.
+    ledger = await start_ledger(Script(eos_after=3))
+    client = await start_gateway()
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+    body["return_token_ids"] = True
+    reply = await (await client.post("/v1/chat/completions", json=body)).json()
+    prompt = ledger.requests[0].prompt_token_ids
+    assert reply["prompt_token_ids"] == prompt
+    assert reply["choices"][0]["token_ids"] == [*TEXT[:3].encode(), EOS]
+    assert "prompt_token_ids" not in reply["choices"][0]
+    chunks = (
+        await read_sse(await client.post("/v1/chat/completions", json=body | {"stream": True}))
+    )[:-1]
+    assert chunks[0]["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert all("prompt_token_ids" not in ch for c in chunks for ch in c["choices"])
+
+
 async def test_stop_string_cuts_text_finishes_stop_and_aborts_on_the_ledger(
     start_gateway, start_ledger, redis, prefix
 ):

@@ -151,11 +151,11 @@ def test_whole_and_streamed_bodies_have_openai_shapes():
         "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": "m",
         "choices": [{
             "index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None,
-            "finish_reason": "stop", "stop_reason": None,
-            "prompt_token_ids": [1, 2, 3], "token_ids": [4, 5],
+            "finish_reason": "stop", "stop_reason": None, "token_ids": [4, 5],
         }],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                   "prompt_tokens_details": {"cached_tokens": 1}},
+        "prompt_token_ids": [1, 2, 3],  # chat: beside the choices, as vLLM
     }  # fmt: skip
     chunk = chunk_body(Meta("completion", "cmpl-1", 1, "m"), "é", None)
     assert sse(chunk) == (
