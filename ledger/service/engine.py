@@ -99,17 +99,17 @@ class LedgerService:
     # ------------------------------------------------------------------ start-up
 
     async def run(self) -> None:
-        await self.requests_reader.ensure_groups("0")
-        # Results from before this start belong to a previous epoch: skip them. Results need
-        # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
-        await self.r.delete(self.streams.results)
-        hellos = await self._wait_for_workers()
+        # The ledger may start before its Redis (or while it restarts): each start-up step waits
+        # for it with the loops' backoff, logging the outage once, instead of crashing.
+        startup = transport.Reconnect("startup", self._count_outage)
+        await startup.call(self._prepare_streams)
+        hellos = await startup.call(self._wait_for_workers)
         self._start_engine(hellos)
-        await self._new_generation("ledger start")
+        await startup.call(lambda: self._new_generation("ledger start"))
         # One ledger serves a group: requests a previous ledger read under another consumer name
         # and never finished become ours, so the reader's first pass over our pending entries
         # hands them out once, with our own unfinished ones.
-        await self.requests_reader.claim_stale(min_idle_ms=0)
+        await startup.call(lambda: self.requests_reader.claim_stale(min_idle_ms=0))
         tasks = [
             asyncio.create_task(self._intake_loop(), name="intake"),
             asyncio.create_task(self.step_results.read_forever(), name="results"),
@@ -128,6 +128,12 @@ class LedgerService:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._write_snapshot()
             await self.r.delete(self.streams.ledger_status)
+
+    async def _prepare_streams(self) -> None:
+        await self.requests_reader.ensure_groups("0")
+        # Results from before this start belong to a previous epoch: skip them. Results need
+        # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
+        await self.r.delete(self.streams.results)
 
     def _background_done(self, task: asyncio.Task) -> None:
         # A reader that dies would leave the engine waiting forever: stop loudly instead, so
