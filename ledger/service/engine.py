@@ -30,6 +30,7 @@ from ledger.service.telemetry import LedgerTelemetry
 from ledger.service.translate import (
     Tracked,
     build_step_message,
+    failure,
     file_logprobs,
     rejection,
     request_from_message,
@@ -75,6 +76,7 @@ class LedgerService:
         )
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
+        self.no_worker_since: float | None = None  # monotonic time the last worker was lost
         # The last step's results, sent to the gateways while the workers run the next step.
         self.unsent: list[RequestUpdate[Tracked]] = []
         self.requests_reader = transport.GroupReader(r, [self.streams.requests], "ledger", CONSUMER)
@@ -242,6 +244,8 @@ class LedgerService:
                 in_flight.clear()  # their results belong to the old epoch
                 await self._flush_outputs()
                 await self._workers_changed("worker membership changed")
+            if not in_flight and not self.workers:
+                await self._fail_without_workers()
             if not in_flight and (not scheduler.has_unfinished_requests() or not self.workers):
                 # Async scheduling caches a finished request's last blocks as its tokens come
                 # back: publish them now rather than with the next request's first step.
@@ -314,6 +318,8 @@ class LedgerService:
         self.workers = {
             w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks
         }
+        if self.workers:
+            self.no_worker_since = None
         log.warning(
             "workers_changed",
             reason=reason,
@@ -321,6 +327,27 @@ class LedgerService:
             workers=sorted(self.workers),
         )
         await self._new_generation(reason)
+
+    async def _fail_without_workers(self) -> None:
+        """No live worker for --no-worker-timeout-s: the requests held cannot progress, so each
+        fails with an error now rather than at its gateway's timeout. A worker that registers
+        again in time (a supervised restart) finds them waiting and recomputes them."""
+        assert self.scheduler is not None
+        timeout = self.cfg.no_worker_timeout_s
+        now = time.monotonic()
+        if self.no_worker_since is None:
+            self.no_worker_since = now
+        if timeout <= 0 or now - self.no_worker_since < timeout or not self.scheduler.requests:
+            return
+        error = (
+            f"no worker of group {self.cfg.group!r} has been alive for "
+            f"{now - self.no_worker_since:.0f}s (--no-worker-timeout-s {timeout:g}): "
+            "the request cannot be scheduled"
+        )
+        held = list(self.scheduler.requests)
+        log.error("requests_failed_without_workers", requests=len(held), error=error)
+        for request in self.scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED):
+            await self._finish_tracking(request, failure(request, error))
 
     # ------------------------------------------------------------------ requests in
 
