@@ -208,7 +208,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvledger up: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
         return 2
     replicas = replica_names(args.replicas)
-    ports = [(args.metrics_port + i) if args.metrics_port else free_port() for i in replicas]
+    ports = [
+        args.metrics_port + i if args.metrics_port else free_port() for i in range(len(replicas))
+    ]
     metrics_port = ports[0]
     env_ = _child_env(args, redis_url, metrics_port)
     prefix = env_.get("KVLEDGER_STREAM_PREFIX", "kvl")
