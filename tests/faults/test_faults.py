@@ -115,6 +115,8 @@ def test_worker_gone_for_good_fails_requests_explicitly():
         for out in outs:
             assert out.text is None and out.error, out
             assert "timed out" not in out.error, out
-            assert "no worker of group 'default'" in out.error, out
+            # The ledger's error (a request it held), or the gateway's 503 once the ledger's
+            # status says it has no worker (the requests sent after).
+            assert "no worker" in out.error, out
             assert out.ended - out.sent <= BOUND_S
         print(f"worker gone: 4 requests failed explicitly in {time.monotonic() - started:.1f}s")
