@@ -73,12 +73,9 @@ class WorkerService:
         self.tp_group = GroupFormer(config, r, runner.model.tp, runner.device)
 
     async def run(self) -> None:
-        with contextlib.suppress(aioredis.ResponseError):
-            await self.r.xgroup_destroy(self.steps_stream, self.reader.group)
-        await self.reader.ensure_groups("$")
-        # Fencing survives a worker restart: steps of leaders older than the current one stay dropped.
-        self.leader_token = int(await self.r.get(self.cfg.streams.leader_token) or 0)
-        await registry.register(self.r, self.cfg.streams, self.hello, self.cfg.ttl_s)
+        # The worker may start before its Redis (or while it restarts): wait for it with the
+        # loops' backoff, logging the outage once, instead of crashing.
+        await transport.Reconnect("startup").call(self._join)
         log.info(
             "worker_registered",
             worker_id=self.worker_id,
@@ -96,6 +93,14 @@ class WorkerService:
                 await heartbeat
             with contextlib.suppress(aioredis.RedisError):
                 await registry.unregister(self.r, self.cfg.streams, self.hello)
+
+    async def _join(self) -> None:
+        with contextlib.suppress(aioredis.ResponseError):
+            await self.r.xgroup_destroy(self.steps_stream, self.reader.group)
+        await self.reader.ensure_groups("$")
+        # Fencing survives a worker restart: steps of leaders older than the current one stay dropped.
+        self.leader_token = int(await self.r.get(self.cfg.streams.leader_token) or 0)
+        await registry.register(self.r, self.cfg.streams, self.hello, self.cfg.ttl_s)
 
     async def _heartbeat(self) -> None:
         while True:

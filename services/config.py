@@ -51,6 +51,7 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_KV_EVENTS_MAX_MB": "Redis memory the KV-events stream may take, in MB (default 256)",
     "KVLEDGER_METRICS_HOST": "address of the ledger's /metrics and /health (default 0.0.0.0; kvledger up: 127.0.0.1)",
     "KVLEDGER_METRICS_PORT": "port of the ledger's Prometheus endpoint (default 9100, 0 = off)",
+    "KVLEDGER_NO_WORKER_TIMEOUT": "seconds the ledger holds requests with no live worker before failing them (default 60, 0 = never)",
     "KVLEDGER_REQUEST_TIMEOUT": "seconds a request may take before the gateway aborts it (default 600)",
     "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
     "KVLEDGER_STALL_TIMEOUT": "seconds a waiting request lives without a ledger or workers and "
@@ -374,6 +375,12 @@ class LedgerConfig(CommonConfig, EngineShape):
         3,
         "failed steps a request may take part in before it is quarantined (failed with an error)",
         int,
+    )
+    no_worker_timeout_s: float = _opt(
+        "KVLEDGER_NO_WORKER_TIMEOUT",
+        60.0,
+        "seconds with no live worker before the requests held fail with an error (0: never)",
+        float,
     )
     snapshot_interval_s: float = _opt(None, 1.0, "seconds between KV-event snapshots", float)
     leader_ttl_s: float = _opt(

@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast, overload
 
@@ -41,6 +41,9 @@ def is_unavailable(exc: BaseException) -> bool:
 def is_nogroup(exc: BaseException) -> bool:
     """The stream or its consumer group is gone: Redis came back without its data."""
     return isinstance(exc, ResponseError) and str(exc).startswith("NOGROUP")
+
+
+T = TypeVar("T")
 
 
 class Reconnect:
@@ -94,6 +97,18 @@ class Reconnect:
                 attempts=self.attempts,
             )
         self.down_since, self.delay_s, self.attempts = None, 0.0, 0
+
+    async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """`await fn()` again (after the backoff) until Redis is reachable for all of it: for
+        start-up, where a service may come up before its Redis does."""
+        while True:
+            try:
+                result = await fn()
+            except (RedisError, OSError) as exc:
+                await self.failed(exc)
+                continue
+            self.succeeded()
+            return result
 
     async def until_up(self, r: aioredis.Redis) -> None:
         """PING with backoff until Redis answers."""

@@ -34,6 +34,7 @@ from ledger.service.telemetry import LedgerTelemetry
 from ledger.service.translate import (
     Tracked,
     build_step_message,
+    failure,
     file_logprobs,
     rejection,
     request_from_message,
@@ -82,6 +83,7 @@ class LedgerService:
         self.workers: dict[str, WorkerHello] = {}
         self.membership_changed = False
         self.outputs = GatewayOutputs(r, self.streams)
+        self.no_worker_since: float | None = None  # monotonic time the last worker was lost
         self.scheduler: Scheduler[Tracked] | None = None
         self.manager: KVCacheManager | None = None
         self.hasher: BlockHasher | None = None
@@ -114,17 +116,17 @@ class LedgerService:
             await self.leadership.release()
 
     async def _lead(self) -> None:
-        await self.intake.reader.ensure_groups("0")
-        # Results from before this start belong to a previous epoch: skip them. Results need
-        # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
-        await self.r.delete(self.streams.results)
-        hellos = await self._wait_for_workers()
+        # The ledger may start before its Redis (or while it restarts): each start-up step waits
+        # for it with the loops' backoff, logging the outage once, instead of crashing.
+        startup = transport.Reconnect("startup", self._count_outage)
+        await startup.call(self._prepare_streams)
+        hellos = await startup.call(self._wait_for_workers)
         self._start_engine(hellos)
-        await self._new_generation("ledger start")
+        await startup.call(lambda: self._new_generation("ledger start"))
         # One ledger serves a group: requests a previous ledger read under another consumer name
         # and never finished become ours, so the reader's first pass over our pending entries
         # hands them out once, with our own unfinished ones.
-        await self.intake.reader.claim_stale(min_idle_ms=0)
+        await startup.call(lambda: self.intake.reader.claim_stale(min_idle_ms=0))
         tasks = [
             asyncio.create_task(self.intake.read_forever(), name="intake"),
             asyncio.create_task(self.step_results.read_forever(), name="results"),
@@ -144,6 +146,12 @@ class LedgerService:
             if self.leadership.held():  # a deposed leader leaves the keys to its successor
                 await self._write_snapshot()
                 await self.r.delete(self.streams.ledger_status)
+
+    async def _prepare_streams(self) -> None:
+        await self.intake.reader.ensure_groups("0")
+        # Results from before this start belong to a previous epoch: skip them. Results need
+        # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
+        await self.r.delete(self.streams.results)
 
     def _background_done(self, task: asyncio.Task) -> None:
         # A reader that dies would leave the engine waiting forever: stop loudly instead, so
@@ -255,6 +263,8 @@ class LedgerService:
                 in_flight.clear()  # their results belong to the old epoch
                 await self._flush_outputs()
                 await self._workers_changed("worker membership changed")
+            if not in_flight and not self.workers:
+                await self._fail_without_workers()
             if not in_flight and (not scheduler.has_unfinished_requests() or not self.workers):
                 # Async scheduling caches a finished request's last blocks as its tokens come
                 # back: publish them now rather than with the next request's first step.
@@ -333,6 +343,8 @@ class LedgerService:
         self.workers = group_view(
             {w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks}
         )
+        if self.workers:
+            self.no_worker_since = None
         log.warning(
             "workers_changed",
             reason=reason,
@@ -340,6 +352,27 @@ class LedgerService:
             workers=sorted(self.workers),
         )
         await self._new_generation(reason)
+
+    async def _fail_without_workers(self) -> None:
+        """No live worker for --no-worker-timeout-s: the requests held cannot progress, so each
+        fails with an error now rather than at its gateway's timeout. A worker that registers
+        again in time (a supervised restart) finds them waiting and recomputes them."""
+        assert self.scheduler is not None
+        timeout = self.cfg.no_worker_timeout_s
+        now = time.monotonic()
+        if self.no_worker_since is None:
+            self.no_worker_since = now
+        if timeout <= 0 or now - self.no_worker_since < timeout or not self.scheduler.requests:
+            return
+        error = (
+            f"no worker of group {self.cfg.group!r} has been alive for "
+            f"{now - self.no_worker_since:.0f}s (--no-worker-timeout-s {timeout:g}): "
+            "the request cannot be scheduled"
+        )
+        held = list(self.scheduler.requests)
+        log.error("requests_failed_without_workers", requests=len(held), error=error)
+        for request in self.scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED):
+            await self._finish_tracking(request, failure(request, error))
 
     # ------------------------------------------------------------------ requests in
 

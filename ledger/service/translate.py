@@ -181,6 +181,20 @@ def rejection(msg: GenerateRequest, problem: str) -> RequestOutput:
     )
 
 
+def failure(request: Request[Tracked], error: str) -> RequestOutput:
+    """The final output of a request the ledger gives up on: its client gets `error`."""
+    return RequestOutput(
+        req_id=request.request_id,
+        new_token_ids=[],
+        position=request.num_output_tokens,
+        finished=True,
+        finish_reason="error",
+        error=error,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_preemptions=request.num_preemptions,
+    )
+
+
 def build_step_message(out: SchedulerOutput[Tracked], epoch: str, block_size: int) -> StepMessage:
     """The wire form of one scheduler step; each request's payload is its `Tracked`."""
 

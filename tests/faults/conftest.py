@@ -242,11 +242,14 @@ def wait_recovered(served: Served, expected: dict[int, str], timeout: float = 60
 
 
 @contextlib.contextmanager
-def fault_stack(aof: bool = False) -> Iterator[tuple[Served, Redis]]:
+def fault_stack(
+    aof: bool = False, env: dict[str, str] | None = None
+) -> Iterator[tuple[Served, Redis]]:
     redis = Redis(aof).start()
     served = launch(
         "default", num_gpu_blocks=256, max_model_len=128,
-        env={"KVLEDGER_REDIS_URL": redis.url, "KVLEDGER_REQUEST_TIMEOUT": str(BOUND_S - 5)},
+        env={"KVLEDGER_REDIS_URL": redis.url, "KVLEDGER_REQUEST_TIMEOUT": str(BOUND_S - 5),
+             **(env or {})},
     )  # fmt: skip
     try:
         served.wait_until_serving()

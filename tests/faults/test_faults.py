@@ -101,7 +101,9 @@ def test_redis_paused_for_five_seconds():
 
 @pytest.mark.faults
 def test_worker_gone_for_good_fails_requests_explicitly():
-    with fault_stack() as (served, _redis):
+    # The ledger gives up on requests 10 s after its last worker is gone, well before the
+    # gateway's own timeout (BOUND_S - 5): the error says why.
+    with fault_stack(env={"KVLEDGER_NO_WORKER_TIMEOUT": "10"}) as (served, _redis):
         expected_texts(served.url)
         served.process.send_signal(signal.SIGSTOP)  # no restart: the supervisor is frozen
         try:
@@ -113,5 +115,8 @@ def test_worker_gone_for_good_fails_requests_explicitly():
         for out in outs:
             assert out.text is None and out.error, out
             assert "timed out" not in out.error, out
+            # The ledger's error (a request it held), or the gateway's 503 once the ledger's
+            # status says it has no worker (the requests sent after).
+            assert "no worker" in out.error, out
             assert out.ended - out.sent <= BOUND_S
         print(f"worker gone: 4 requests failed explicitly in {time.monotonic() - started:.1f}s")

@@ -283,3 +283,41 @@ async def test_two_workers_in_a_group_run_the_same_steps_and_agree(redis_url, ti
         assert stack.ledger.epoch.endswith(".1")  # no step failed, no resync was needed
     finally:
         await stack.stop()
+
+
+async def test_requests_fail_with_an_error_when_no_worker_is_left_and_serve_again_after(
+    redis_url, tiny_model
+):
+    stack = await Stack(redis_url, tiny_model, num_blocks=64, no_worker_timeout_s=1.0).start()
+    try:
+        batch = prompts(2, 24, seed=7)
+        for i, prompt in enumerate(batch):
+            await stack.submit(f"r{i}", prompt, 200)
+        while min(len(stack.results[f"r{i}"].tokens) for i in range(2)) < 3:
+            await asyncio.sleep(0.02)
+        await stack.kill_worker("w0")  # gone for good: nothing restarts it
+        results = await stack.wait(["r0", "r1"], timeout=30)
+        await stack.submit("late", batch[0], 8)  # sent while no worker is left
+        results.update(await stack.wait(["late"], timeout=30))
+        for result in results.values():
+            assert result.final.finish_reason == "error"
+            assert "no worker of group 'default'" in result.final.error
+            assert "--no-worker-timeout-s 1" in result.final.error
+        for i, prompt in enumerate(batch):  # the tokens sent before the loss were right
+            tokens = results[f"r{i}"].tokens
+            assert 3 <= len(tokens) < 200
+            assert tokens == dense_greedy(tiny_model, prompt, len(tokens))
+        assert not stack.ledger.scheduler.requests
+        assert stack.ledger.manager.num_free_blocks == 63
+        await stack.start_worker("w1")
+        # Until the ledger sees the new worker, requests still fail fast: wait for it.
+        deadline = time.monotonic() + 30
+        while not stack.ledger.workers:
+            assert time.monotonic() < deadline, "the ledger never saw the new worker"
+            await asyncio.sleep(0.05)
+        await stack.submit("after", batch[1], 8)
+        again = await stack.wait(["after"], timeout=60)
+        assert again["after"].final.finish_reason == "length"
+        assert again["after"].tokens == dense_greedy(tiny_model, batch[1], 8)
+    finally:
+        await stack.stop()

@@ -1,0 +1,128 @@
+"""A ledger and a worker started before their Redis wait for it (the loops' backoff, one line
+when the wait begins and one when it ends) instead of crashing; once Redis is up, and a gateway
+with it, the stack serves. The services run as separate processes (no supervisor to hide a crash).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from services.redis_server import free_port
+from tests.e2e.conftest import ROOT
+from tests.faults.conftest import MODEL, Redis, complete
+
+pytestmark = pytest.mark.slow
+
+WAIT_BEFORE_REDIS_S = 3.0  # long enough for several backoff rounds (50 ms doubling to 2 s)
+
+
+@dataclass
+class Service:
+    role: str
+    process: subprocess.Popen
+    lines: list[str] = field(default_factory=list)
+
+    def records(self, event: str) -> list[dict]:
+        found = []
+        for line in list(self.lines):
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("event") == event:
+                    found.append(record)
+        return found
+
+    def output(self) -> str:
+        return "".join(self.lines[-40:])
+
+
+def _pump(service: Service) -> None:
+    assert service.process.stdout is not None
+    for line in service.process.stdout:
+        service.lines.append(line)
+
+
+@contextlib.contextmanager
+def started(role: str, env: dict[str, str]) -> Iterator[Service]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvledger.cli", role],
+        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    service = Service(role, process)
+    threading.Thread(target=_pump, args=(service,), daemon=True).start()
+    try:
+        yield service
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _env(redis_url: str, gateway_port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "OTEL_"))}
+    env.update(
+        KVLEDGER_REDIS_URL=redis_url, KVLEDGER_LOG_FORMAT="json", PYTHONUNBUFFERED="1",
+        KVLEDGER_DEVICE="cpu", KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE="64",
+        KVLEDGER_KV_CACHE_MEMORY_BYTES="16MiB", KVLEDGER_MAX_MODEL_LEN="128",
+        KVLEDGER_METRICS_PORT="0", KVLEDGER_PORT=str(gateway_port),
+        KVLEDGER_REQUEST_TIMEOUT="30",
+    )  # fmt: skip
+    return env
+
+
+def test_ledger_and_worker_started_before_redis_wait_for_it_and_serve():
+    redis = Redis(aof=False)  # its port is chosen, nothing listens on it yet
+    port = free_port()
+    env = _env(redis.url, port)
+    try:
+        with started("ledger", env) as ledger, started("worker", env) as worker:
+            deadline = time.monotonic() + 60  # the worker builds its model first
+            while not (ledger.records("redis_unavailable") and worker.records("redis_unavailable")):
+                for service in (ledger, worker):
+                    assert service.process.poll() is None, (
+                        f"the {service.role} exited without Redis:\n{service.output()}"
+                    )
+                assert time.monotonic() < deadline, "no service reported waiting for Redis"
+                time.sleep(0.1)
+            time.sleep(WAIT_BEFORE_REDIS_S)
+            for service in (ledger, worker):
+                assert service.process.poll() is None, service.output()
+            redis.start()
+            with started("gateway", env) as gateway:
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 60
+                while True:
+                    out = complete(url, 0, stream=False, timeout=30)
+                    if out.text is not None:
+                        break
+                    assert gateway.process.poll() is None, gateway.output()
+                    assert time.monotonic() < deadline, f"not serving: {out.error}"
+                    time.sleep(0.5)
+                streamed = complete(url, 0, stream=True, timeout=30)
+                assert streamed.text == out.text, streamed.error
+            for service in (ledger, worker):
+                waits = service.records("redis_unavailable")
+                # One line for the whole wait (not one per attempt), and one when it ends.
+                assert [w["loop"] for w in waits] == ["startup"], waits
+                back = service.records("redis_reconnected")
+                assert [b["loop"] for b in back] == ["startup"], back
+                assert back[0]["attempts"] >= 3 and back[0]["down_s"] >= WAIT_BEFORE_REDIS_S
+                assert service.process.poll() is None, service.output()
+            print(f"served {MODEL} after waiting {back[0]['down_s']} s for Redis")
+    finally:
+        redis.stop()
