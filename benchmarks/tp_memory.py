@@ -37,7 +37,6 @@ MiB = 1024 * 1024
 
 def write_checkpoint(folder: Path, hidden: int, layers: int, vocab: int) -> int:
     import torch
-    from safetensors.torch import save_file
 
     inter, heads, kv_heads = hidden * 11 // 4, hidden // 64, 4
     cfg = {
@@ -65,7 +64,7 @@ def write_checkpoint(folder: Path, hidden: int, layers: int, vocab: int) -> int:
     def flush() -> None:
         nonlocal shard, size, n
         name = f"model-{n:05d}.safetensors"
-        save_file(shard, str(folder / name))
+        save_safetensors(shard, folder / name)
         weight_map.update(dict.fromkeys(shard, name))
         shard, size, n = {}, 0, n + 1
 
@@ -80,6 +79,22 @@ def write_checkpoint(folder: Path, hidden: int, layers: int, vocab: int) -> int:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return total
+
+
+def save_safetensors(tensors: dict, path: Path) -> None:
+    """float32 tensors in the safetensors layout, written without the safetensors package (the
+    GPU machine's image may lack it and reaches no package index)."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + tensor.nbytes]}  # fmt: skip
+        offset += tensor.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for tensor in tensors.values():
+            f.write(tensor.float().contiguous().numpy().tobytes())
 
 
 def child(folder: str, rank: int, size: int, loader: str) -> None:
