@@ -5,7 +5,10 @@
 # build in the background, build the kernels, run the GPU tests, run the benchmark. Every step
 # has a time limit and its own log; results land in OUT (first argument, default
 # benchmarks/results): install.log, build.log, gpu_tests.log, gpu_tests.xml,
-# flashinfer_warmup.log, benchmark.log, kernels.json. Exits non-zero when any step failed.
+# flashinfer_warmup.log, benchmark.log, kernels.json. Tensor parallelism is recorded apart:
+# tp_nccl.log and tp_nccl.json (TP=1 vs TP=2 over NCCL, benchmarks/tp_nccl.py; with one GPU the
+# file says it needs two, since NCCL refuses two ranks on one device). Exits non-zero when any
+# step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-benchmarks/results}"
@@ -37,6 +40,8 @@ step build 240 bash -c "nvidia-smi -L; nvcc --version | tail -1; \
 step gpu_tests 240 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -o addopts="" \
     --junitxml="$OUT/gpu_tests.xml"
 step benchmark 420 "$PY" benchmarks/kernels.py --out "$OUT"
+# Needs only torch and safetensors (in the image) and msgspec (installed above).
+step tp_nccl 300 "$PY" benchmarks/tp_nccl.py --json "$OUT/tp_nccl.json"
 wait
 echo "=== flashinfer warm-up: $(tail -2 "$OUT/flashinfer_warmup.log" | tr '\n' ' ')"
 echo "=== results in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,14 +1,19 @@
 """Peak resident memory per rank for a sharded checkpoint load: TP=1 against TP=2.
 
-    python benchmarks/tp_memory.py [--hidden 1024] [--layers 8] [--reps 3] \
+    python benchmarks/tp_memory.py [--hidden 2048] [--layers 6] [--reps 3] \
         [--json benchmarks/results/tp_memory.json]
 
-Writes a random Llama checkpoint (float32 safetensors, 64 MB shards) once, then loads it in a
-fresh process per measurement: TP=1 (the baseline: the whole model) and each rank of TP=2 (its
-slices only, read with safetensors `get_slice`; loading needs no process group). Each process
-reports its peak RSS (ru_maxrss) and its RSS just before loading (after importing torch), so the
-load's own cost is the difference. Repetitions interleave the sizes; the table shows the median
-and the spread (max - min). Target: a TP=2 rank's peak at most 0.6x TP=1's.
+Writes a random Llama checkpoint (float32 safetensors, 64 MB shards; 1.5 GiB by default) once,
+then loads it in a fresh process per measurement: TP=1 (the baseline: the whole model) and each
+rank of TP=2 (its slices only, read into the preallocated parameters by
+gpu_worker/safetensors_reader.py; loading needs no process group). A second baseline,
+"tp2-rank0 get_slice", loads rank 0's slices the way safetensors' `safe_open(...).get_slice`
+does (mapped file, a new tensor per slice, then a copy), to show what the reader saves.
+
+Each process reports its peak RSS (ru_maxrss: anonymous and file-mapped pages both) and its RSS
+just before loading (after importing torch, ~250 MiB), so the load's own cost is the
+difference. Repetitions interleave the loaders; the table shows the median and the spread
+(max - min). Target: a TP=2 rank's whole-process peak at most 0.6x TP=1's.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ MiB = 1024 * 1024
 
 def write_checkpoint(folder: Path, hidden: int, layers: int, vocab: int) -> int:
     import torch
-    from safetensors.torch import save_file
 
     inter, heads, kv_heads = hidden * 11 // 4, hidden // 64, 4
     cfg = {
@@ -60,7 +64,7 @@ def write_checkpoint(folder: Path, hidden: int, layers: int, vocab: int) -> int:
     def flush() -> None:
         nonlocal shard, size, n
         name = f"model-{n:05d}.safetensors"
-        save_file(shard, str(folder / name))
+        save_safetensors(shard, folder / name)
         weight_map.update(dict.fromkeys(shard, name))
         shard, size, n = {}, 0, n + 1
 
@@ -77,17 +81,60 @@ def write_checkpoint(folder: Path, hidden: int, layers: int, vocab: int) -> int:
     return total
 
 
-def child(folder: str, rank: int, size: int) -> None:
+def save_safetensors(tensors: dict, path: Path) -> None:
+    """float32 tensors in the safetensors layout, written without the safetensors package (the
+    GPU machine's image may lack it and reaches no package index)."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + tensor.nbytes]}  # fmt: skip
+        offset += tensor.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for tensor in tensors.values():
+            f.write(tensor.float().contiguous().numpy().tobytes())
+
+
+def child(folder: str, rank: int, size: int, loader: str) -> None:
     import torch  # noqa: F401 (its import is the baseline, not the load)
 
     from gpu_worker.checkpoint import load_checkpoint
     from gpu_worker.parallel import TensorParallel
 
     before = _rss_now()
-    model = load_checkpoint(folder, dtype="float32", tp=TensorParallel(rank, size))
-    held = sum(p.nbytes for p in model.parameters())
+    tp = TensorParallel(rank, size)
+    if loader == "get_slice":
+        params = load_with_get_slice(Path(folder), tp)
+    else:
+        params = list(load_checkpoint(folder, dtype="float32", tp=tp).parameters())
+    held = sum(p.nbytes for p in params)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"before": before, "peak": peak, "params": held}))
+
+
+def load_with_get_slice(folder: Path, tp) -> list:
+    """The previous loader's reads: each rank's slice through safetensors' mapped get_slice."""
+    import torch
+    from safetensors import safe_open
+
+    from gpu_worker.checkpoint import read_model_config, weight_files
+    from gpu_worker.model import LlamaForCausalLM
+
+    with torch.device("meta"):
+        net = LlamaForCausalLM(read_model_config(folder), tp)
+    net = net.to_empty(device="cpu")
+    params = dict(net.named_parameters())
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                slices = net.full_slices(name)
+                part = reader.get_slice(name)
+                part = part[slices] if slices is not None else part[:]
+                with torch.no_grad():
+                    params[name][: part.shape[0]].copy_(part)
+    return list(params.values())
 
 
 def _rss_now() -> int:
@@ -97,9 +144,9 @@ def _rss_now() -> int:
     return 0
 
 
-def measure(folder: Path, rank: int, size: int) -> dict:
+def measure(folder: Path, rank: int, size: int, loader: str) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(folder), str(rank), str(size)],
+        [sys.executable, __file__, "--child", str(folder), str(rank), str(size), loader],
         check=True, capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -107,23 +154,28 @@ def measure(folder: Path, rank: int, size: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), int(args.child[2]))
+        child(args.child[0], int(args.child[1]), int(args.child[2]), args.child[3])
         return
-    runs: dict[str, list[dict]] = {"tp1": [], "tp2-rank0": [], "tp2-rank1": []}
+    order = [
+        ("tp1", 0, 1, "reader"),
+        ("tp2-rank0", 0, 2, "reader"),
+        ("tp2-rank1", 1, 2, "reader"),
+        ("tp2-rank0 get_slice", 0, 2, "get_slice"),
+    ]
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in order}
     with tempfile.TemporaryDirectory() as tmp:
         weights = write_checkpoint(Path(tmp) / "ckpt", args.hidden, args.layers, args.vocab)
         for rep in range(args.reps):
-            order = [("tp1", 0, 1), ("tp2-rank0", 0, 2), ("tp2-rank1", 1, 2)]
-            for label, rank, size in order if rep % 2 == 0 else order[::-1]:
-                runs[label].append(measure(Path(tmp) / "ckpt", rank, size))
+            for label, rank, size, loader in order if rep % 2 == 0 else order[::-1]:
+                runs[label].append(measure(Path(tmp) / "ckpt", rank, size, loader))
     rows, summary = [], {}
     for label, samples in runs.items():
         peaks = [s["peak"] / MiB for s in samples]

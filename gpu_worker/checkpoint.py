@@ -22,6 +22,7 @@ from gpu_worker.model import (
     tiny_config,
 )
 from gpu_worker.parallel import SINGLE, TensorParallel
+from gpu_worker.safetensors_reader import SafetensorsError, SafetensorsFile
 from services.config import env
 from services.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
 
@@ -124,10 +125,9 @@ def load_checkpoint(
 ) -> LlamaForCausalLM:
     """The model of a Hugging Face folder, every parameter checked by name and shape.
 
-    Under tensor parallelism each rank reads only its slice of each tensor (safetensors
-    `get_slice`), so a rank's memory holds about 1/N of the weights, never the whole."""
-    from safetensors import safe_open
-
+    Under tensor parallelism each rank reads only its slice of each tensor (plain
+    positioned reads straight into the preallocated parameters, gpu_worker/safetensors_reader.py),
+    so a rank's memory holds about 1/N of the weights, never the whole, and no mapped file."""
     folder = _check_folder(folder)
     cfg = read_model_config(folder, max_model_len)
     files = weight_files(folder)
@@ -141,8 +141,8 @@ def load_checkpoint(
     params = dict(net.named_parameters())  # tied lm_head.weight is deduplicated away
     loaded: set[str] = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+        with _open_weights(file) as reader:
+            for name in reader.keys():  # noqa: SIM118 (a file, not a dict)
                 if name.endswith(_IGNORED_SUFFIXES) or (
                     cfg.tie_word_embeddings and name == "lm_head.weight"
                 ):
@@ -153,10 +153,10 @@ def load_checkpoint(
                         f"unexpected tensor {name!r} in {file.name}: it is not a parameter of "
                         f"{cfg.architecture} with this config.json"
                     )
-                part = reader.get_slice(name)
-                _check_shape(full_shapes[name], tuple(part.get_shape()), name, file)
-                slices = net.full_slices(name)
-                load_shard(param, part[slices] if slices is not None else part[:])
+                _check_shape(full_shapes[name], reader.info(name).shape, name, file)
+                with torch.no_grad():
+                    held = reader.read_into(name, param, net.full_slices(name))
+                    param[held[0] :].zero_()  # the last rank's vocabulary padding rows
                 loaded.add(name)
     missing = [name for name in params if name not in loaded]
     if missing:
@@ -164,6 +164,13 @@ def load_checkpoint(
         shown = ", ".join(missing[:5]) + more
         raise CheckpointError(f"{folder} lacks {len(missing)} tensor(s) the model needs: {shown}")
     return net.eval()
+
+
+def _open_weights(file: Path) -> SafetensorsFile:
+    try:
+        return SafetensorsFile(file)
+    except (SafetensorsError, OSError) as exc:
+        raise CheckpointError(f"cannot read weights {file}: {exc}") from None
 
 
 def _check_shape(expected: tuple[int, ...], got: tuple[int, ...], name: str, file: Path) -> None:

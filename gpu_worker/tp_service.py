@@ -8,11 +8,18 @@ the other ranks read it (or take `--tp-host/--tp-port` when the port is given) a
 
 A rendezvous that times out, or a step whose collective failed (a peer died), marks the epoch
 failed: its remaining steps are refused at once instead of each waiting out a timeout.
+
+Before the blocking `init_process_group`, every rank announces itself under the epoch in Redis
+and waits, without blocking the event loop, until all N have: a rank that waits for a peer that
+is dead (the ledger may dispatch an epoch while a killed rank's heartbeat key still lives) gives
+the epoch up as soon as the ledger dispatches a newer one, instead of waiting out tp_timeout_s
+inside a rendezvous that cannot complete while the group's next epoch queues behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -28,6 +35,9 @@ from gpu_worker.parallel import (
 )
 from observability import get_logger
 from services.config import WorkerConfig
+from services.messages import StepMessage
+from services.transport import FIELD
+from services.wire import WireError, decode
 
 log = get_logger("kvledger.worker")
 RENDEZVOUS_KEY_TTL_S = 600
@@ -49,6 +59,7 @@ class GroupFormer:
             return f"tensor-parallel group of epoch {epoch} is broken (a rank failed)"
         started = time.monotonic()
         try:
+            await self._all_arrived(epoch)
             store = await self._store_for(epoch)
             await asyncio.to_thread(
                 form_group, self.tp, store, epoch, self.device, self.cfg.tp_timeout_s
@@ -74,6 +85,33 @@ class GroupFormer:
         except Exception as exc:  # a group whose peer died may fail to tear down; it is gone
             log.warning("tp_group_destroy_failed", error=str(exc))
             self.tp.epoch = None
+
+    async def _all_arrived(self, epoch: str) -> None:
+        key = self.cfg.streams.tp_rendezvous(self.cfg.group, epoch) + ":ranks"
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.sadd(key, self.tp.rank)
+            pipe.expire(key, RENDEZVOUS_KEY_TTL_S)
+            await pipe.execute()
+        deadline = time.monotonic() + self.cfg.tp_timeout_s
+        while (arrived := await self.r.scard(key)) < self.tp.size:
+            newest = await self._newest_epoch()
+            if newest not in (None, epoch):
+                raise RuntimeError(
+                    f"{arrived} of {self.tp.size} ranks arrived before the ledger moved on to "
+                    f"epoch {newest}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{arrived} of {self.tp.size} ranks arrived in time")
+            await asyncio.sleep(0.05)
+
+    async def _newest_epoch(self) -> str | None:
+        """The epoch of the newest step the ledger dispatched to this group."""
+        stream = self.cfg.streams.steps(self.cfg.group)
+        for _, fields in await self.r.xrevrange(stream, count=1) or []:
+            data = (fields or {}).get(FIELD)
+            with contextlib.suppress(WireError):  # a shutdown message: no epoch
+                return decode(data, StepMessage).epoch if isinstance(data, bytes) else None
+        return None
 
     async def _store_for(self, epoch: str) -> Any:
         cfg, key = self.cfg, self.cfg.streams.tp_rendezvous(self.cfg.group, epoch)

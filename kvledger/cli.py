@@ -26,6 +26,11 @@ from services.config import (
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvledger", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -45,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     tools.add_parsers(sub)
     for command in sub.choices.values():
         show_defaults(command)
-    args = parser.parse_args(argv)
-    return args.func(args) or 0
+    return parser
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:
