@@ -12,12 +12,15 @@ wall clock), so one run per cell is the figure: repetitions would give identical
 
     .venv/bin/python benchmarks/routing.py            # writes benchmarks/results/routing.{json,md,png}
     .venv/bin/python benchmarks/routing.py --replicas 8 --policies round_robin,precise
+    .venv/bin/python benchmarks/routing.py --real     # 4 real replicas: results/routing-real.*
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -109,6 +112,95 @@ def plot(results: list[SimResult], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def main_real(args: argparse.Namespace) -> None:
+    """Every policy on the same trace with real processes, policies interleaved per repetition."""
+    from benchmarks.routing_real import RealConfig, calibrate, run_policy
+
+    config = RealConfig(replicas=args.real_replicas, num_gpu_blocks=args.real_blocks)
+    low, high = (int(n) for n in args.real_system_len.split(","))
+    turns = multi_tenant_workload(
+        WorkloadConfig(
+            num_conversations=args.real_conversations, rate=args.real_rate, seed=args.seed,
+            vocab=256, system_len=(low, high),
+        )
+    )  # fmt: skip
+    policies = [p for p in args.policies.split(",") if p != "oracle"]
+    runs, samples = [], []
+    for repetition in range(args.repetitions):
+        # Rotate the order so that no policy always runs first (or last) on a shared machine.
+        shift = repetition % len(policies)
+        for policy in policies[shift:] + policies[:shift]:
+            started = time.perf_counter()
+            run, steps = run_policy(config, turns, policy, repetition)
+            runs.append(run)
+            samples += steps
+            print(f"{policy:>12} rep {repetition}: {run.row()}  ({time.perf_counter() - started:.0f} s)",
+                  flush=True)  # fmt: skip
+    rows = [r.row() for r in runs]
+    summary = []
+    for policy in policies:
+        mine = [r for r in rows if r["policy"] == policy]
+        row: dict[str, object] = {"policy": policy, "runs": len(mine)}
+        for key in ("prefill_tokens", "hit_rate", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s"):
+            values = sorted(float(r[key]) for r in mine)  # type: ignore[arg-type]
+            row[key] = round(statistics.median(values), 4)
+            row[f"{key}_spread"] = round(values[-1] - values[0], 4)
+        summary.append(row)
+    base = next(r for r in summary if r["policy"] == policies[0])
+    for row in summary:
+        row["prefill_vs_rr"] = round(
+            float(row["prefill_tokens"]) / float(base["prefill_tokens"]), 3
+        )  # type: ignore[arg-type]
+        row["throughput_vs_rr"] = round(
+            float(row["throughput_tok_s"]) / float(base["throughput_tok_s"]), 3
+        )  # type: ignore[arg-type]
+    restart = []
+    if not args.no_restart:
+        # Restart the gateway halfway; the next requests' hit rate against the same requests in
+        # the policy's steady run (the first repetition above).
+        middle = len(turns) // 2
+        for policy in [p for p in ("precise", "approx") if p in policies]:
+            run, _ = run_policy(config, turns, policy, 0, restart_after=middle)
+            window = sorted(run.sent, key=lambda s: s.sent_at)[middle : middle + 200]
+            ids = {s.request_id for s in window}
+            steady = next(r for r in runs if r.policy == policy)
+            rate = [
+                sum(s.cached_tokens for s in sent if s.request_id in ids)
+                / sum(s.prompt_tokens for s in sent if s.request_id in ids)
+                for sent in (steady.sent, run.sent)
+            ]
+            restart.append({
+                "policy": policy, "restart_after_requests": middle, "window": len(ids),
+                "steady_hit_rate": round(rate[0], 4), "after_restart_hit_rate": round(rate[1], 4),
+                "relative_change_pct": round(100 * (rate[1] - rate[0]) / rate[0], 2),
+            })  # fmt: skip
+            print(restart[-1], flush=True)
+    step_model = calibrate(samples) if samples else {}
+    columns = ["policy", "runs", "prefill_tokens", "prefill_vs_rr", "hit_rate", "ttft_p50_s",
+               "ttft_p99_s", "throughput_tok_s", "throughput_vs_rr"]  # fmt: skip
+    text = (
+        f"{len(turns)} requests, {config.replicas} replicas, {config.num_gpu_blocks} blocks each; "
+    )
+    text += (
+        f"medians over {args.repetitions} interleaved repetitions ({policies[0]} = baseline)\n\n"
+    )
+    text += table(summary, columns) + "\n\nEvery run:\n\n" + table(rows, list(rows[0]))
+    if restart:
+        text += "\n\nGateway restarted after half the requests (the next ones vs the same "
+        text += "requests in the steady run):\n\n" + table(restart, list(restart[0]))
+    text += f"\n\nWorker step time fitted on every step of every run: {step_model}"
+    print(text)
+    out = Path(args.out + "-real")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "step_model"}
+    out.with_suffix(".json").write_text(json.dumps(
+        {"settings": settings, "config": dataclasses.asdict(config),
+         "summary": summary, "runs": rows, "restart": restart, "step_model": step_model}, indent=2))  # fmt: skip
+    out.with_suffix(".md").write_text(
+        f"`.venv/bin/python benchmarks/routing.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", default="8,16,64")
@@ -120,9 +212,26 @@ def main() -> None:
     parser.add_argument("--prefill-token-ms", type=float, default=0.05)
     parser.add_argument("--decode-step-ms", type=float, default=8.0)
     parser.add_argument("--decode-seq-ms", type=float, default=0.1)
+    parser.add_argument("--step-model-from", default=None,
+                        help="a routing-real.json: its fitted step model replaces the three above")  # fmt: skip
     parser.add_argument("--no-restart", action="store_true")
     parser.add_argument("--out", default=str(RESULTS / "routing"))
+    parser.add_argument("--real", action="store_true", help="real processes, not the simulation")
+    parser.add_argument("--real-replicas", type=int, default=4)
+    parser.add_argument("--real-blocks", type=int, default=400, help="KV blocks per replica")
+    parser.add_argument("--real-conversations", type=int, default=130)
+    parser.add_argument("--real-rate", type=float, default=4.0, help="conversations per second")
+    parser.add_argument("--real-system-len", default="768,1280")
+    parser.add_argument("--repetitions", type=int, default=1)
     args = parser.parse_args()
+    if args.real:
+        main_real(args)
+        return
+    if args.step_model_from:
+        fitted = json.loads(Path(args.step_model_from).read_text())["step_model"]
+        args.decode_step_ms = fitted["base_ms"]
+        args.prefill_token_ms = fitted["prefill_token_ms"]
+        args.decode_seq_ms = fitted["decode_seq_ms"]
     args.step_model = StepModel(
         args.decode_step_ms / 1000, args.prefill_token_ms / 1000, args.decode_seq_ms / 1000
     )

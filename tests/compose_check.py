@@ -44,6 +44,7 @@ from tests.compose_model import (  # noqa: E402
     services_with_role,
     strip_tags,
 )
+from tests.compose_replicas import replica_problems  # noqa: E402
 
 # Set in kvledger containers although kvledger itself never reads them: Python's own switches.
 ALLOWED_EXTRA_ENV = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER"})
@@ -111,6 +112,7 @@ def reference_problems(
             problems.append(f"services.{name}: Redis needs a healthcheck (redis-cli ping)")
         problems += _prometheus_problems(name, service, services, root)
     problems += _cycle_problems(services)
+    problems += replica_problems(services)
     if require_gpu_worker and not any(
         reserves_gpu(s) for s in services_with_role(services, "worker")
     ):
@@ -120,7 +122,7 @@ def reference_problems(
         )
     if not any(str(s.get("image", "")).startswith(JAEGER_IMAGE) for s in services.values()):
         problems.append(f"services: no Jaeger service ({JAEGER_IMAGE})")
-    for role in ROLES:
+    for role in ("ledger", "gateway", "worker"):  # the indexer is optional
         if not list(services_with_role(services, role)):
             problems.append(f"services: no service runs `kvledger {role}`")
     return problems

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-ROLES = ("ledger", "gateway", "worker")
+ROLES = ("ledger", "gateway", "worker", "indexer")
 DEFAULT_METRICS_PORT = 9100
 
 

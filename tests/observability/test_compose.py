@@ -39,27 +39,47 @@ def test_compose_files_and_dockerfile_pass_every_check() -> None:
 
 def test_stack_has_the_promised_services_wired_together(compose: Doc) -> None:
     services = compose["services"]
-    assert set(services) >= {"redis", "jaeger", "ledger", "gateway", "worker"}
+    assert set(services) >= {"redis", "jaeger", "gateway", "indexer"}
     assert services["jaeger"]["image"].startswith("cr.jaegertracing.io/jaegertracing/jaeger:2.")
     assert {"4317:4317", "4318:4318", "16686:16686", "13133:13133"} <= set(
         services["jaeger"]["ports"]
     )
     assert services["gateway"]["ports"] == ["8000:8000"]
-    assert services["gateway"]["depends_on"]["ledger"] == {"condition": "service_healthy"}
-    for name in ("ledger", "gateway", "worker"):
-        environment = environment_of(services[name])
-        assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
-        assert environment["OTEL_SERVICE_NAME"] == f"kvledger-{name}"
-    device = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert device == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    for replica in ("r0", "r1"):
+        assert services["gateway"]["depends_on"][f"ledger-{replica}"] == {
+            "condition": "service_healthy"
+        }
+        assert services[f"ledger-{replica}"]["command"] == ["ledger", "--replica", replica]
+        assert services[f"worker-{replica}"]["command"] == ["worker", "--replica", replica]
+        for role in ("ledger", "worker"):
+            environment = environment_of(services[f"{role}-{replica}"])
+            assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+            assert environment["OTEL_SERVICE_NAME"] == f"kvledger-{role}"
+    assert services["gateway"]["command"] == [
+        "gateway",
+        "--replicas",
+        "r0,r1",
+        "--routing",
+        "precise",
+    ]
+    assert services["indexer"]["command"][-2:] == ["--replicas", "r0,r1"]
+    assert services["indexer"]["ports"] == ["8300:8300"]
+    devices = [
+        services[f"worker-{r}"]["deploy"]["resources"]["reservations"]["devices"]
+        for r in ("r0", "r1")
+    ]
+    assert devices == [
+        [{"driver": "nvidia", "device_ids": [gpu], "capabilities": ["gpu"]}] for gpu in ("0", "1")
+    ]
 
 
 def test_cpu_override_drops_the_gpu_reservation_and_runs_the_worker_on_cpu(compose: Doc) -> None:
     merged = merge_compose(load_compose(COMPOSE), load_compose(CPU_OVERRIDE))
-    worker = merged["services"]["worker"]
-    assert "deploy" not in worker
-    assert environment_of(worker)["KVLEDGER_DEVICE"] == "cpu"
-    assert environment_of(worker)["KVLEDGER_REDIS_URL"] == "redis://redis:6379/0"  # merged, kept
+    for name in ("worker-r0", "worker-r1"):
+        worker = merged["services"][name]
+        assert "deploy" not in worker
+        assert environment_of(worker)["KVLEDGER_DEVICE"] == "cpu"
+        assert environment_of(worker)["KVLEDGER_REDIS_URL"] == "redis://redis:6379/0"  # kept
     assert check_compose(merged, require_gpu_worker=False) == []
 
 
@@ -91,8 +111,8 @@ BROKEN = {
         "services.gateway.depends_on: 'ledgr' is not a service in this file",
     ),
     "undeclared environment variable": (
-        _set("services.ledger.environment.KVLEDGER_LEDGER_THREADS", "4"),
-        "services.ledger.environment: KVLEDGER_LEDGER_THREADS is not declared in "
+        _set("services.ledger-r0.environment.KVLEDGER_LEDGER_THREADS", "4"),
+        "services.ledger-r0.environment: KVLEDGER_LEDGER_THREADS is not declared in "
         "services.config.ENV_VARS",
     ),
     "undeclared interpolated variable": (
@@ -105,8 +125,8 @@ BROKEN = {
         "unexpected)",
     ),
     "schema: unknown depends_on condition": (
-        _set("services.gateway.depends_on.ledger.condition", "service_ready"),
-        "schema: services.gateway.depends_on.ledger.condition: 'service_ready' is not one of",
+        _set("services.gateway.depends_on.ledger-r0.condition", "service_ready"),
+        "schema: services.gateway.depends_on.ledger-r0.condition: 'service_ready' is not one of",
     ),
     "schema: ports as a string": (
         _set("services.gateway.ports", "8000:8000"),
@@ -117,8 +137,8 @@ BROKEN = {
         "services.gateway.ports: no published port maps to KVLEDGER_PORT=8000",
     ),
     "metrics port changed but not exposed": (
-        _set("services.ledger.environment.KVLEDGER_METRICS_PORT", "9200"),
-        "services.ledger.expose: KVLEDGER_METRICS_PORT=9200 is not exposed",
+        _set("services.ledger-r0.environment.KVLEDGER_METRICS_PORT", "9200"),
+        "services.ledger-r0.expose: KVLEDGER_METRICS_PORT=9200 is not exposed",
     ),
     "healthcheck probes another port": (
         _set(
@@ -137,38 +157,54 @@ BROKEN = {
         "services.gateway.environment.KVLEDGER_HOST: must be 0.0.0.0",
     ),
     "OTLP over HTTP sent to the gRPC port": (
-        _set("services.worker.environment.OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4317"),
-        "services.worker.environment.OTEL_EXPORTER_OTLP_ENDPOINT: port 4317 does not take OTLP "
+        _set("services.worker-r0.environment.OTEL_EXPORTER_OTLP_ENDPOINT", "http://jaeger:4317"),
+        "services.worker-r0.environment.OTEL_EXPORTER_OTLP_ENDPOINT: port 4317 does not take OTLP "
         "over http/protobuf; Jaeger listens on 4318",
     ),
     "OTLP sent to a service that is not Jaeger": (
-        _set("services.ledger.environment.OTEL_EXPORTER_OTLP_ENDPOINT", "http://redis:4318"),
+        _set("services.ledger-r0.environment.OTEL_EXPORTER_OTLP_ENDPOINT", "http://redis:4318"),
         "host 'redis' is not the Jaeger service of this file",
     ),
     "service_healthy on a service without a healthcheck": (
-        _delete("services.ledger.healthcheck"),
-        "services.gateway.depends_on.ledger: waits for service_healthy, but services.ledger has "
-        "no healthcheck",
+        _delete("services.ledger-r0.healthcheck"),
+        "services.gateway.depends_on.ledger-r0: waits for service_healthy, but services.ledger-r0 "
+        "has no healthcheck",
     ),
     "Redis without a healthcheck": (
         _delete("services.redis.healthcheck"),
         "services.redis: Redis needs a healthcheck",
     ),
     "worker without a GPU reservation": (
-        _delete("services.worker.deploy"),
+        lambda d: [_delete(f"services.worker-r{i}.deploy")(d) for i in range(2)],
         "services: no worker reserves an NVIDIA GPU",
     ),
     "Redis URL to a missing host": (
-        _set("services.worker.environment.KVLEDGER_REDIS_URL", "redis://cache:6379/0"),
-        "services.worker.environment.KVLEDGER_REDIS_URL: host 'cache' is not a service",
+        _set("services.worker-r0.environment.KVLEDGER_REDIS_URL", "redis://cache:6379/0"),
+        "services.worker-r0.environment.KVLEDGER_REDIS_URL: host 'cache' is not a service",
     ),
     "command that is not a kvledger role": (
-        _set("services.worker.command", ["serve"]),
-        "services.worker.command: ['serve'] does not start with a kvledger sub-command",
+        _set("services.worker-r0.command", ["serve"]),
+        "services.worker-r0.command: ['serve'] does not start with a kvledger sub-command",
     ),
     "dependency cycle": (
-        _set("services.ledger.depends_on.gateway", {"condition": "service_started"}),
-        "services: depends_on cycle ledger -> gateway -> ledger",
+        _set("services.ledger-r0.depends_on.gateway", {"condition": "service_started"}),
+        "services: depends_on cycle ledger-r0 -> gateway -> ledger-r0",
+    ),
+    "gateway routes to a replica with no ledger": (
+        _set("services.gateway.command", ["gateway", "--replicas", "r0,r2"]),
+        "services.gateway.command: follows replica 'r2', which no ledger serves",
+    ),
+    "replica without a worker": (
+        _set("services.worker-r1.command", ["worker", "--replica", "r0"]),
+        "services.ledger-r1: replica 'r1' has no worker",
+    ),
+    "two ledgers for one replica": (
+        _set("services.ledger-r1.command", ["ledger", "--replica", "r0"]),
+        "services: replica 'r0' has two ledgers (ledger-r0, ledger-r1)",
+    ),
+    "indexer follows a replica with no ledger": (
+        _set("services.indexer.command", ["indexer", "--replicas", "default"]),
+        "services.indexer.command: follows replica 'default', which no ledger serves",
     ),
     "Jaeger without its UI port": (
         _set("services.jaeger.ports", ["4317:4317", "4318:4318", "13133:13133"]),
