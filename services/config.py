@@ -49,6 +49,9 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_METRICS_PORT": "port of the ledger's Prometheus endpoint (default 9100, 0 = off)",
     "KVLEDGER_REQUEST_TIMEOUT": "seconds a request may take before the gateway aborts it (default 600)",
     "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
+    "KVLEDGER_HEADER_TIMEOUT_S": "seconds an HTTP client may take to send its headers, or sit idle between requests (default 10)",
+    "KVLEDGER_BODY_TIMEOUT_S": "seconds an HTTP client may take to send a request body before a 408 (default 60)",
+    "KVLEDGER_MAX_CONNECTIONS": "open HTTP connections per service before new ones get a 503 (default: half the open-file limit)",
     "KVLEDGER_SEED": "seed of the default model's random weights (default 0)",
     "KVLEDGER_KERNELS": "attention backend: auto (default), cuda, or reference (the torch reference, even on a GPU)",
     "KVLEDGER_KERNEL_CACHE": "where JIT-built CUDA kernels are cached (default ~/.cache/kvledger/kernels)",
@@ -260,6 +263,32 @@ def _optional_bytes(text: str) -> int | None:
 
 
 @dataclass
+class HttpServerConfig:
+    """Limits of a service's HTTP listener against slow and numerous clients
+    (services.http_server)."""
+
+    header_timeout_s: float = _opt(
+        "KVLEDGER_HEADER_TIMEOUT_S",
+        10.0,
+        "seconds a client may take to send its request headers, or sit idle between requests",
+        float,
+    )
+    body_timeout_s: float = _opt(
+        "KVLEDGER_BODY_TIMEOUT_S",
+        60.0,
+        "seconds a client may take to send a body (408 after)",
+        float,
+    )
+    max_connections: int | None = _opt(
+        "KVLEDGER_MAX_CONNECTIONS",
+        None,
+        "open connections before new ones get a 503 and are closed (default: half the "
+        "open-file limit, which is raised to its hard maximum)",
+        _optional_int,
+    )
+
+
+@dataclass
 class EngineShape:
     """Settings the gateway, ledger and worker must agree on."""
 
@@ -268,7 +297,7 @@ class EngineShape:
 
 
 @dataclass
-class LedgerConfig(CommonConfig, EngineShape):
+class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
     group: str = _opt(None, "default", "worker group this ledger schedules")
     num_workers: int = _opt(
         "KVLEDGER_NUM_WORKERS", 1, "workers to wait for before sizing the pool", int
@@ -376,7 +405,7 @@ class WorkerConfig(CommonConfig, EngineShape):
 
 
 @dataclass
-class GatewayConfig(CommonConfig, EngineShape):
+class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
     host: str = _opt("KVLEDGER_HOST", "127.0.0.1", "bind address")
     port: int = _opt("KVLEDGER_PORT", 8000, "port", int)
     model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")
@@ -421,7 +450,7 @@ class GatewayConfig(CommonConfig, EngineShape):
 
 
 @dataclass
-class IndexerConfig(CommonConfig):
+class IndexerConfig(CommonConfig, HttpServerConfig):
     host: str = _opt(None, "127.0.0.1", "bind address")
     port: int = _opt(None, 8300, "port", int)
     model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")
