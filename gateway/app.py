@@ -33,11 +33,14 @@ from observability import (
     get_tracer,
     metrics_handler,
 )
+from observability.ratelimit import RateLimitedLog, install_loop_exception_handler
 from services import transport
 from services.config import ConfigError, GatewayConfig
+from services.http_server import CappedSite, connection_cap, limits_of, runner_options
 from services.tokenizer import load_tokenizer
 
 log = get_logger("gateway")
+_slow_clients = RateLimitedLog(log)  # a flood of slow bodies logs a line per interval
 
 GATEWAY = web.AppKey("gateway", Gateway)
 SERVICE_NAME = "kvledger-gateway"
@@ -102,19 +105,43 @@ def redis_pool_size(max_queue: int) -> int:
 async def serve(config: GatewayConfig) -> None:
     """Run the gateway until cancelled or SIGTERM, then shut down gracefully. Logging and
     tracing are set up by the caller (`kvledger gateway` does both)."""
-    runner = web.AppRunner(
-        create_app(config),
-        handler_cancellation=True,  # a client that hangs up cancels its handler: abort at once
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        access_log=None,  # request_finished / request_rejected events say more
-    )
+    install_loop_exception_handler(asyncio.get_running_loop())
+    runner = make_runner(config)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
-        log.info("gateway_listening", host=config.host, port=config.port)
+        site = await listen(runner, config)
+        log.info(
+            "gateway_listening", host=config.host, port=site.port,
+            max_connections=site.cap.max_connections if site.cap else None,
+            header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
+        )  # fmt: skip
         await _until_sigterm()
     finally:
         await runner.cleanup()
+
+
+def make_runner(config: GatewayConfig, app: web.Application | None = None) -> web.AppRunner:
+    return web.AppRunner(
+        app or create_app(config),
+        handler_cancellation=True,  # a client that hangs up cancels its handler: abort at once
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        access_log=None,  # request_finished / request_rejected events say more
+        **runner_options(limits_of(config)),
+    )
+
+
+async def listen(runner: web.AppRunner, config: GatewayConfig) -> CappedSite:
+    """The listening socket, with the connection cap in front (runner set up first)."""
+    refusals = RateLimitedLog(log)
+
+    def refused(open_connections: int) -> None:
+        refusals.log("warning", "connection_refused", open_connections=open_connections,
+                     reason="connection cap reached (--max-connections)")  # fmt: skip
+
+    cap = connection_cap(limits_of(config))
+    site = CappedSite(runner, config.host, config.port, cap, on_refused=refused)
+    await site.start()
+    return site
 
 
 async def _until_sigterm() -> None:
@@ -247,7 +274,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.StreamResponse:
     arrival = time.monotonic()
-    body = parse_json(await request.read())
+    body = parse_json(await _read_body(request, gw.config.body_timeout_s))
     jobs = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
     async with gw.admit():
         limits = gw.limits(await gw.wait_for_ledger())
@@ -268,6 +295,21 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
                 return await respond(gens, meta)
         finally:
             span.set_attributes(gens[0].span_attributes(total_usage(gens)))
+
+
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The whole body within timeout_s: a client trickling it would hold a slot forever."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        _slow_clients.log("info", "request_body_timeout", path=request.path, timeout_s=timeout_s)
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g}s (--body-timeout-s)",
+            err_type="timeout_error",
+            headers={"Connection": "close"},
+        ) from None
 
 
 def _parse(gw: Gateway, kind: str, body: dict[str, Any]) -> list[Job]:

@@ -21,8 +21,10 @@ from aiohttp import web
 
 from indexer.score import ScoreRequestError, read_score_request
 from observability import get_logger
+from observability.ratelimit import RateLimitedLog
 from services import transport
 from services.config import ConfigError, IndexerConfig
+from services.http_server import CappedSite, connection_cap, limits_of, runner_options
 from services.replicas import ReplicaSet, parse_replicas
 from services.routing import HealthLimits, ReplicaHealth
 from services.tokenizer import Tokenizer, load_tokenizer
@@ -144,10 +146,15 @@ def _error(status: int, message: str) -> web.Response:
 
 async def serve(config: IndexerConfig) -> None:
     """Run the indexer until SIGINT/SIGTERM."""
-    runner = web.AppRunner(create_app(config), access_log=None)
+    limits = limits_of(config)
+    runner = web.AppRunner(create_app(config), access_log=None, **runner_options(limits))
     await runner.setup()
+    refusals = RateLimitedLog(log)
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
+        await CappedSite(
+            runner, config.host, config.port, connection_cap(limits),
+            on_refused=lambda n: refusals.log("warning", "connection_refused", open_connections=n),
+        ).start()  # fmt: skip
         log.info("indexer_listening", host=config.host, port=config.port, replicas=config.replicas)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

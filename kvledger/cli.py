@@ -126,14 +126,22 @@ def run_ledger(config: LedgerConfig) -> int:
     from ledger.service.engine import LedgerService
     from ledger.service.http import metrics_app
     from ledger.service.workers import StartupError
+    from observability import get_logger
+    from observability.ratelimit import RateLimitedLog
+    from services.http_server import CappedSite, connection_cap, limits_of, runner_options
 
     async def main(r, tracer) -> None:
         service = LedgerService(config, r, tracer)
         runner = None
         if config.metrics_port:
-            runner = web.AppRunner(metrics_app(service), access_log=None)
+            limits = limits_of(config)
+            runner = web.AppRunner(metrics_app(service), access_log=None, **runner_options(limits))
             await runner.setup()
-            await web.TCPSite(runner, config.metrics_host, config.metrics_port).start()
+            refusals = RateLimitedLog(get_logger("ledger"))
+            await CappedSite(
+                runner, config.metrics_host, config.metrics_port, connection_cap(limits),
+                on_refused=lambda n: refusals.log("warning", "connection_refused", open_connections=n),
+            ).start()  # fmt: skip
         try:
             await service.run()
         except StartupError as exc:

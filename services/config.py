@@ -58,6 +58,9 @@ ENV_VARS: dict[str, str] = {
     "without output before a 503 (default 60)",
     "KVLEDGER_MAX_REQUEST_FAILURES": "failed steps a request may take part in before the ledger "
     "quarantines it (default 3)",
+    "KVLEDGER_HEADER_TIMEOUT_S": "seconds an HTTP client may take to send its headers, or sit idle between requests (default 10)",
+    "KVLEDGER_BODY_TIMEOUT_S": "seconds an HTTP client may take to send a request body before a 408 (default 60)",
+    "KVLEDGER_MAX_CONNECTIONS": "open HTTP connections per service before new ones get a 503 (default: half the open-file limit)",
     "KVLEDGER_SEED": "seed of the default model's random weights (default 0)",
     "KVLEDGER_TP_RANK": "a worker's tensor-parallel rank (default 0)",
     "KVLEDGER_TP_SIZE": "ranks of a worker's tensor-parallel group (default 1)",
@@ -309,6 +312,32 @@ def _optional_bytes(text: str) -> int | None:
 
 
 @dataclass
+class HttpServerConfig:
+    """Limits of a service's HTTP listener against slow and numerous clients
+    (services.http_server)."""
+
+    header_timeout_s: float = _opt(
+        "KVLEDGER_HEADER_TIMEOUT_S",
+        10.0,
+        "seconds a client may take to send its request headers, or sit idle between requests",
+        float,
+    )
+    body_timeout_s: float = _opt(
+        "KVLEDGER_BODY_TIMEOUT_S",
+        60.0,
+        "seconds a client may take to send a body (408 after)",
+        float,
+    )
+    max_connections: int | None = _opt(
+        "KVLEDGER_MAX_CONNECTIONS",
+        None,
+        "open connections before new ones get a 503 and are closed (default: half the "
+        "open-file limit, which is raised to its hard maximum)",
+        _optional_int,
+    )
+
+
+@dataclass
 class EngineShape:
     """Settings the gateway, ledger and worker must agree on."""
 
@@ -317,7 +346,7 @@ class EngineShape:
 
 
 @dataclass
-class LedgerConfig(CommonConfig, EngineShape):
+class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
     group: str = _opt(None, "default", "worker group this ledger schedules")
     num_workers: int = _opt(
         "KVLEDGER_NUM_WORKERS", 1, "workers to wait for before sizing the pool", int
@@ -454,7 +483,7 @@ class WorkerConfig(CommonConfig, EngineShape):
 
 
 @dataclass
-class GatewayConfig(CommonConfig, EngineShape):
+class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
     host: str = _opt("KVLEDGER_HOST", "127.0.0.1", "bind address")
     port: int = _opt("KVLEDGER_PORT", 8000, "port", int)
     model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")
@@ -507,7 +536,7 @@ class GatewayConfig(CommonConfig, EngineShape):
 
 
 @dataclass
-class IndexerConfig(CommonConfig):
+class IndexerConfig(CommonConfig, HttpServerConfig):
     host: str = _opt(None, "127.0.0.1", "bind address")
     port: int = _opt(None, 8300, "port", int)
     model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")

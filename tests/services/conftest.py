@@ -17,3 +17,13 @@ def redis_url():
 def tiny_model():
     torch.set_num_threads(1)
     return load_model("default", seed=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The long fuzz runs only when asked for by name: `-m fuzz`."""
+    if "fuzz" in (config.getoption("markexpr") or ""):
+        return
+    long_runs = [item for item in items if item.get_closest_marker("fuzz")]
+    if long_runs:
+        config.hook.pytest_deselected(items=long_runs)
+        items[:] = [item for item in items if not item.get_closest_marker("fuzz")]
