@@ -23,6 +23,7 @@ from observability import Attr, SpanName, get_logger, links_from_traceparents
 from services import registry, transport
 from services.config import WorkerConfig
 from services.messages import StepMessage, StepResult, WorkerHello, WorkerShutdown
+from services.startup import freeze_after_startup
 from services.wire import WireError, encode, kind_of
 
 log = get_logger("kvledger.worker")
@@ -74,6 +75,7 @@ class WorkerService:
         await registry.register(self.r, self.cfg.streams, self.hello, self.cfg.ttl_s)
         log.info(
             "worker_registered",
+            gc_frozen=freeze_after_startup(),
             worker_id=self.worker_id,
             num_gpu_blocks=self.hello.num_gpu_blocks,
             device=self.hello.device,

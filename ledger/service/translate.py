@@ -7,6 +7,7 @@ the I/O, this module decides what the messages say.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ledger.core.hashing import BlockHasher
@@ -97,7 +98,7 @@ def file_logprobs(out: SchedulerOutput[Tracked], result: StepResult) -> None:
 
 
 def request_output(
-    request: Request[Tracked], new_token_ids: list[int], finish_reason: str | None = None
+    request: Request[Tracked], new_token_ids: Sequence[int], finish_reason: str | None = None
 ) -> RequestOutput:
     """What a gateway hears about a request: its new tokens (with their logprobs, and the
     prompt's with the first token, when asked) and, at the end, why it ended."""
