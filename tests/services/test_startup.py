@@ -14,3 +14,18 @@ def test_freeze_moves_startup_objects_out_of_the_collectors_reach() -> None:
         assert any(o is served for o in gc.get_objects())
     finally:
         gc.unfreeze()
+
+
+async def _loop_module() -> str:
+    import asyncio
+
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_services_run_on_uvloop_unless_told_otherwise(monkeypatch) -> None:
+    from services.startup import run_event_loop
+
+    monkeypatch.delenv("KVLEDGER_EVENT_LOOP", raising=False)
+    assert run_event_loop(_loop_module()).startswith("uvloop")
+    monkeypatch.setenv("KVLEDGER_EVENT_LOOP", "asyncio")
+    assert run_event_loop(_loop_module()).startswith("asyncio")
