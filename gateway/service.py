@@ -25,6 +25,7 @@ from observability import GatewayMetrics, LedgerSnapshot, get_logger, new_regist
 from services import transport, wire
 from services.config import GatewayConfig
 from services.messages import AbortRequest, LedgerStatus
+from services.startup import freeze_after_startup
 from services.tokenizer import Tokenizer
 
 log = get_logger("gateway")
@@ -238,7 +239,12 @@ class Gateway:
             raise RuntimeError(
                 f"the gateway cannot reach Redis ({exc}); check --redis-url / KVLEDGER_REDIS_URL"
             ) from None
-        log.info("gateway_started", gateway_id=self.gateway_id, outputs=self.outputs.stream)
+        log.info(
+            "gateway_started",
+            gateway_id=self.gateway_id,
+            outputs=self.outputs.stream,
+            gc_frozen=freeze_after_startup(),
+        )
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end every waiting one (each aborts itself on the ledger)."""

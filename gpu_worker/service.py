@@ -24,6 +24,7 @@ from observability import Attr, SpanName, get_logger, links_from_traceparents
 from services import registry, transport
 from services.config import WorkerConfig
 from services.messages import StepMessage, StepResult, WorkerHello, WorkerShutdown
+from services.startup import freeze_after_startup
 from services.wire import WireError, encode, kind_of
 
 log = get_logger("kvledger.worker")
@@ -78,6 +79,7 @@ class WorkerService:
         await transport.Reconnect("startup").call(self._join)
         log.info(
             "worker_registered",
+            gc_frozen=freeze_after_startup(),
             worker_id=self.worker_id,
             num_gpu_blocks=self.hello.num_gpu_blocks,
             device=self.hello.device,

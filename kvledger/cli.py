@@ -223,16 +223,15 @@ def run_worker(config: WorkerConfig) -> int:
 
 
 def run_gateway(config: GatewayConfig) -> int:
-    import asyncio
-
     from gateway.app import serve
     from kvledger.runtime import require_redis_url, setup_observability
     from observability import shutdown_tracing
+    from services.startup import run_event_loop
 
     require_redis_url(config, "gateway")
     setup_observability("gateway", config)
     try:
-        asyncio.run(serve(config))
+        run_event_loop(serve(config))
     except KeyboardInterrupt:
         pass
     finally:
@@ -241,17 +240,16 @@ def run_gateway(config: GatewayConfig) -> int:
 
 
 def run_indexer(config: IndexerConfig) -> int:
-    import asyncio
-
     from indexer import serve
     from kvledger.runtime import require_redis_url, setup_observability
     from observability import shutdown_tracing
     from services.config import ConfigError
+    from services.startup import run_event_loop
 
     require_redis_url(config, "indexer")
     setup_observability("indexer", config)
     try:
-        asyncio.run(serve(config))
+        run_event_loop(serve(config))
     except ConfigError as exc:
         print(f"kvledger indexer: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from observability import (
     shutdown_tracing,
 )
 from services.config import CommonConfig, env, redis_password, secret_values
+from services.startup import run_event_loop
 from services.transport import connect
 
 
@@ -82,7 +83,7 @@ def run_service(
             await r.aclose()
 
     try:
-        return asyncio.run(runner())
+        return run_event_loop(runner())
     except Exception as exc:  # the last word a service says: one clear line, then the traceback
         log.exception("service_crashed", error=str(exc))
         return 1

@@ -43,6 +43,7 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": "replace the profiled block count (benchmarks, tests)",
     "KVLEDGER_WATERMARK": "share of blocks kept free when admitting waiting requests (default 0)",
     "KVLEDGER_SCHEDULING_POLICY": "fcfs or priority (default fcfs)",
+    "KVLEDGER_EVENT_LOOP": "uvloop (default where installed) or asyncio: the services' event loop",
     "KVLEDGER_ASYNC_SCHEDULING": "1 to schedule a step ahead of the workers (default), 0 for lock-step",
     "KVLEDGER_PREFIX_CACHING": "1 to enable prefix caching, 0 to disable (default 1)",
     "KVLEDGER_HASH_ALGO": "sha256, sha256_cbor, xxhash or xxhash_cbor (default sha256)",

@@ -11,6 +11,8 @@ are Records. The KV-events stream is not here: it carries vLLM's own `KVEventBat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.wire import Message, Record
 
 
@@ -95,8 +97,9 @@ class CachedRequestData(Record):
     """A running request the workers already hold: only what changed since its last step."""
 
     req_id: str
-    new_token_ids: list[int]  # tokens the workers do not know yet (not those they sampled)
-    new_block_ids: list[int]  # blocks appended to its block table this step
+    # Sequences so that the ledger hands over the core's tuples as they are (a list once decoded).
+    new_token_ids: Sequence[int]  # tokens the workers do not know yet (not those they sampled)
+    new_block_ids: Sequence[int]  # blocks appended to its block table this step
     num_computed_tokens: int
     traceparent: str | None = None
 
@@ -169,7 +172,7 @@ class RequestOutput(Record):
     """What the ledger tells a gateway about one request after a step (or an abort)."""
 
     req_id: str
-    new_token_ids: list[int]
+    new_token_ids: Sequence[int]  # a list once decoded
     position: int = 0  # index of new_token_ids[0] among the outputs: lets a gateway drop repeats
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

@@ -69,9 +69,10 @@ class Request(Generic[P]):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt has no tokens")
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+        # The prompt is stored once, as the head of all_token_ids: a full GC walks every item
+        # of every live token list, and at 1,000 running requests a second copy doubled that.
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -100,6 +101,10 @@ class Request(Generic[P]):
         self.block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []
         self.update_block_hashes()
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
 
     @property
     def num_tokens(self) -> int:

@@ -129,7 +129,7 @@ class Scheduler(Generic[P]):
             if len(self.running) + len(self.waiting) > 1
             else 0
         )
-        new_blocks_of: dict[str, list[int]] = {}
+        new_blocks_of: dict[str, tuple[int, ...]] = {}
         scheduled_running: list[Request[P]] = []
 
         # 1. Running requests first, oldest first.
@@ -165,7 +165,9 @@ class Scheduler(Generic[P]):
                     continue  # the request preempted itself; the one now at `index` is next
                 break
             scheduled_running.append(request)
-            new_blocks_of[request.request_id] = [block.block_id for block in new_blocks]
+            new_blocks_of[request.request_id] = (
+                tuple([block.block_id for block in new_blocks]) if new_blocks else ()
+            )
             out.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             index += 1
@@ -232,16 +234,19 @@ class Scheduler(Generic[P]):
                 )
             )
             request.num_tokens_sent = request.num_tokens
+        cached_reqs = out.scheduled_cached_reqs
         for request in scheduled_running:
-            out.scheduled_cached_reqs.append(
+            num_tokens = len(request.all_token_ids)
+            sent = request.num_tokens_sent
+            cached_reqs.append(
                 CachedRequestData(
-                    request=request,
-                    new_token_ids=request.all_token_ids[request.num_tokens_sent :],
-                    new_block_ids=new_blocks_of[request.request_id],
-                    num_computed_tokens=request.num_computed_tokens,
+                    request,
+                    tuple(request.all_token_ids[sent:]) if sent < num_tokens else (),
+                    new_blocks_of[request.request_id],
+                    request.num_computed_tokens,
                 )
             )
-            request.num_tokens_sent = request.num_tokens
+            request.num_tokens_sent = num_tokens
         for request_id, num_tokens in out.num_scheduled_tokens.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
@@ -334,11 +339,11 @@ class Scheduler(Generic[P]):
                 self._free_request(request)
                 updates.append(
                     RequestUpdate(
-                        request, [token], True, RequestStatus.finish_reason(request.status)
+                        request, (token,), True, RequestStatus.finish_reason(request.status)
                     )
                 )
             else:
-                updates.append(RequestUpdate(request, [token], False))
+                updates.append(RequestUpdate(request, (token,), False))
         return updates
 
     def _check_stop(self, request: Request[P]) -> bool:

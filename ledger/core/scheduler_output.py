@@ -1,12 +1,22 @@
 """What one scheduler step decides (vLLM's SchedulerOutput) and what a step's tokens change.
 
 Plain data: the ledger service turns it into wire messages, traces and metrics.
+
+What a step makes per running request (CachedRequestData, RequestUpdate) lives until the step's
+tokens are back, two steps later under async scheduling: long enough to survive young
+collections and be promoted, so that at 1,000 running requests a full collection came every
+~20 steps. These are msgspec Structs with gc=False (never part of a cycle: nothing points back
+at them) holding tuples of ints (untracked at their first collection), as vLLM's
+EngineCoreOutput is, so a step leaves almost nothing for the collector.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic
+
+import msgspec
 
 from ledger.core.block_pool import Eviction
 from ledger.core.request import P, Request
@@ -22,13 +32,12 @@ class NewRequestData(Generic[P]):
     num_computed_tokens: int
 
 
-@dataclass(slots=True)
-class CachedRequestData(Generic[P]):
+class CachedRequestData(msgspec.Struct, Generic[P], gc=False):
     """A running request: only the tokens and blocks appended since its last step."""
 
     request: Request[P]
-    new_token_ids: list[int]
-    new_block_ids: list[int]
+    new_token_ids: Sequence[int]  # a tuple; () when the workers know every token
+    new_block_ids: Sequence[int]  # a tuple; () when no block was appended
     num_computed_tokens: int
 
 
@@ -75,11 +84,10 @@ class SchedulerOutput(Generic[P]):
         return not self.num_scheduled_tokens
 
 
-@dataclass(slots=True)
-class RequestUpdate(Generic[P]):
+class RequestUpdate(msgspec.Struct, Generic[P], gc=False):
     """One request's result of a step: the token it got and whether it finished."""
 
     request: Request[P]
-    new_token_ids: list[int]
+    new_token_ids: Sequence[int]  # a tuple
     finished: bool
     finish_reason: str | None = None

@@ -52,6 +52,7 @@ from services.messages import (
     StepResult,
     WorkerHello,
 )
+from services.startup import freeze_after_startup
 from services.wire import WireError, encode, kind_of
 
 log = get_logger("kvledger.ledger")
@@ -123,6 +124,7 @@ class LedgerService:
         hellos = await startup.call(self._wait_for_workers)
         self._start_engine(hellos)
         await startup.call(lambda: self._new_generation("ledger start"))
+        log.info("gc_frozen", objects=freeze_after_startup())
         # One ledger serves a group: requests a previous ledger read under another consumer name
         # and never finished become ours, so the reader's first pass over our pending entries
         # hands them out once, with our own unfinished ones.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ledger.core.hashing import BlockHasher
@@ -140,7 +141,7 @@ def file_logprobs(out: SchedulerOutput[Tracked], result: StepResult) -> None:
 
 def request_output(
     request: Request[Tracked],
-    new_token_ids: list[int],
+    new_token_ids: Sequence[int],
     finish_reason: str | None = None,
     error: str | None = None,
 ) -> RequestOutput:

@@ -113,7 +113,7 @@ def test_the_next_step_is_scheduled_before_the_tokens_are_back():
     assert first.sampling_req_ids == {"a"} and s.requests["a"].num_output_placeholders == 1
     second = s.schedule()  # step 1's token is still being sampled
     (cached,) = second.scheduled_cached_reqs
-    assert second.num_scheduled_tokens == {"a": 1} and cached.new_token_ids == []
+    assert second.num_scheduled_tokens == {"a": 1} and cached.new_token_ids == ()
     third = s.schedule()
     assert third.num_scheduled_tokens == {"a": 1} and s.requests["a"].num_output_placeholders == 3
     assert s.schedule().is_empty  # max_tokens 3: every output is already in flight

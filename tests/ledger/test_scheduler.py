@@ -61,14 +61,14 @@ def test_new_requests_get_all_blocks_and_running_ones_only_new_blocks():
         and new.num_computed_tokens == 0
     )
     assert out.num_scheduled_tokens == {"a1": 20}
-    assert [u.new_token_ids for u in updates] == [[7]]
+    assert [u.new_token_ids for u in updates] == [(7,)]
     for _ in range(12):  # slots 21..32 fit in block 2
         out, _ = run_step(s)
         (cached,) = out.scheduled_cached_reqs
         # The workers keep the tokens they sample: nothing to send back, only new blocks.
-        assert cached.new_token_ids == [] and cached.new_block_ids == []
+        assert cached.new_token_ids == () and cached.new_block_ids == ()
     out, _ = run_step(s)  # the 33rd token needs block 3
-    assert out.scheduled_cached_reqs[0].new_block_ids == [3]
+    assert out.scheduled_cached_reqs[0].new_block_ids == (3,)
     assert out.scheduled_cached_reqs[0].num_computed_tokens == 32
 
 
@@ -212,7 +212,7 @@ def test_priority_victim_already_scheduled_gives_its_tokens_back():
     assert (p.request_id, p.caused_by) == ("low1", "hi2")
     assert out.num_scheduled_tokens == {"hi2": 1}
     assert [c.request.request_id for c in out.scheduled_cached_reqs] == ["hi2"]
-    assert out.scheduled_cached_reqs[0].new_block_ids == [4]  # low's freed (uncached) tail block
+    assert out.scheduled_cached_reqs[0].new_block_ids == (4,)  # low's freed (uncached) tail block
 
 
 def test_admission_gate_requires_the_whole_prompt_to_fit():

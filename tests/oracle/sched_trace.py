@@ -96,7 +96,9 @@ class LedgerScheduler:
         record = step_record(
             scheduled=[[rid, n, computed[rid]] for rid, n in out.num_scheduled_tokens.items()],
             full_tables={n.request.request_id: n.block_ids for n in out.scheduled_new_reqs},
-            new_blocks={c.request.request_id: c.new_block_ids for c in out.scheduled_cached_reqs},
+            new_blocks={
+                c.request.request_id: list(c.new_block_ids) for c in out.scheduled_cached_reqs
+            },
             preempted=out.preempted_req_ids,
             finished=list(out.finished_req_ids),
         )
@@ -104,7 +106,7 @@ class LedgerScheduler:
 
     def update(self, step: SchedulerOutput, sampled: dict[str, int]) -> list[list[Any]]:
         return [
-            [u.request.request_id, u.new_token_ids, u.finish_reason]
+            [u.request.request_id, list(u.new_token_ids), u.finish_reason]
             for u in self.scheduler.update_from_output(step, sampled)
         ]
 
