@@ -13,9 +13,11 @@ from services.messages import GenerateRequest, OutputBatch, SamplingParams, Step
 from tests.services.stack import Stack, dense_greedy
 from tests.services.test_ledger_service import prompts
 
-# Every token masked but one, and that one banned: no probability is left to sample from
-# (torch.multinomial: "probability tensor contains either inf, nan or element < 0").
-NOTHING_TO_SAMPLE = {"temperature": 1.0, "allowed_token_ids": [5], "bad_words_token_ids": [[5]]}
+# A repetition penalty vLLM accepts (> 0, finite) that is 0 in float32: every prompt token
+# with a positive logit is divided by it into +inf, the softmax is NaN, and torch.multinomial
+# fails ("probability tensor contains either inf, nan or element < 0"). (Every token masked no
+# longer fails: the sampler falls back to the raw logits for such a row.)
+NOTHING_TO_SAMPLE = {"temperature": 1.0, "repetition_penalty": 1e-300}
 
 
 def failed_count(stack: Stack, reason: str) -> float:
