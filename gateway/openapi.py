@@ -12,6 +12,7 @@ from gateway.support import (
     COMPLETION_FIELDS,
     DETOKENIZE_FIELDS,
     STREAM_OPTIONS_FIELDS,
+    STRUCTURED_OUTPUTS_FIELDS,
     TOKENIZE_FIELDS,
     FieldSupport,
 )
@@ -36,6 +37,41 @@ _MESSAGE = {
         "name": _STR,
     },
     "required": ["role"],
+}
+
+# The keys gateway.structured reads; exactly one constraint (json .. grammar) per request.
+STRUCTURED_SCHEMAS: dict[str, dict[str, Any]] = {
+    "json": {"anyOf": [_OBJ, _STR]}, "json_object": {"const": True}, "regex": _STR,
+    "choice": {"type": "array", "items": _STR, "minItems": 1}, "grammar": _STR,
+    "disable_any_whitespace": _BOOL, "disable_additional_properties": _BOOL,
+    "whitespace_pattern": _STR, "structural_tag": {"anyOf": [_STR, _OBJ]},
+}  # fmt: skip
+_RESPONSE_FORMAT = {
+    "description": "OpenAI's response_format; other than text it overrides structured_outputs "
+    "(asking for another constraint there as well is a 400)",
+    "oneOf": [
+        {
+            "type": "object",
+            "properties": {"type": {"enum": ["text", "json_object"]}},
+            "required": ["type"],
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": _STR,
+                        "description": _STR,
+                        "strict": _BOOL,
+                        "schema": {**_OBJ, "description": "the JSON schema the output matches"},
+                    },
+                },
+            },
+            "required": ["type", "json_schema"],
+        },
+    ],
 }
 
 FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
@@ -65,7 +101,7 @@ FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
     "bad_words": _STRS, "allowed_token_ids": _IDS,
     "logprobs": {"anyOf": [_INT, _BOOL]}, "top_logprobs": {"type": "integer", "minimum": -1},
     "prompt_logprobs": {"type": "integer", "minimum": -1}, "logprob_token_ids": _IDS,
-    "return_tokens_as_token_ids": _BOOL, "response_format": _OBJ, "structured_outputs": _OBJ,
+    "return_tokens_as_token_ids": _BOOL, "response_format": _RESPONSE_FORMAT,
     "repetition_detection": _OBJ, "thinking_token_budget": _INT, "vllm_xargs": _OBJ,
     "kv_transfer_params": _OBJ, "ec_transfer_params": _OBJ, "return_weight_versions": _BOOL,
     "routed_experts_prompt_start": {"type": "integer", "minimum": 0},
@@ -99,18 +135,26 @@ _ERROR = {
 
 
 def body_schema(table: dict[str, FieldSupport], required: list[str]) -> dict[str, Any]:
+    return {**_object(table, FIELD_SCHEMAS), "required": required}
+
+
+def _object(table: dict[str, FieldSupport], schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
     properties = {}
     for name, support in table.items():
-        schema = dict(FIELD_SCHEMAS[name])
+        schema = dict(schemas[name])
         prefix = "Refused unless it asks for nothing: " if support.refused else ""
-        schema["description"] = prefix + support.note
+        described = schema.get("description")
+        schema["description"] = prefix + support.note + (f" ({described})" if described else "")
         properties[name] = schema
     return {
         "type": "object",
         "properties": properties,
-        "required": required,
         "additionalProperties": False,  # unknown fields get a 400
     }
+
+
+# After FIELD_SCHEMAS and _object, which it is built from.
+FIELD_SCHEMAS["structured_outputs"] = _object(STRUCTURED_OUTPUTS_FIELDS, STRUCTURED_SCHEMAS)
 
 
 def _post(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any]:

@@ -232,6 +232,10 @@ class Gateway:
     # --- lifetime ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # Started before its Redis (a host's boot order, an operator's restart), the gateway
+        # waits for it with backoff, one line when the wait begins and one when it ends, as
+        # the ledger and the worker do; it listens once Redis answers.
+        await transport.Reconnect("startup", self.metrics.record_redis_outage).until_up(self.redis)
         try:
             await self.outputs.start()
             await self.routing.start()

@@ -228,10 +228,17 @@ class ModelRunner:
         cached = {r.req_id: r for r in step.cached_reqs}
         scheduled = step.num_scheduled_tokens
         chunks = []
+        # A grammar this worker cannot build is that request's fault alone: the others of the
+        # step are checked on, and the step fails naming only those requests.
+        grammar_errors: dict[str, str] = {}
         for req_id in dict.fromkeys([*news, *cached, *scheduled]):
             num_tokens = scheduled.get(req_id, 0)
             if req_id in news:
-                chunk = self._new_chunk(news[req_id], num_tokens)
+                try:
+                    chunk = self._new_chunk(news[req_id], num_tokens)
+                except GrammarError as exc:
+                    grammar_errors[req_id] = f"GrammarError: {exc}"
+                    continue
             elif req_id in self.requests:
                 chunk = self._cached_chunk(req_id, cached.get(req_id), num_tokens)
             elif req_id in cached:
@@ -245,6 +252,8 @@ class ModelRunner:
                 raise StepError(f"request {req_id}: scheduled with {num_tokens} tokens")
             self._check_chunk(chunk)
             chunks.append(chunk)
+        if grammar_errors:
+            raise RequestsFailed(grammar_errors)
         return chunks
 
     def _new_chunk(self, req: NewRequestData, num_tokens: int) -> _Chunk:
@@ -254,10 +263,7 @@ class ModelRunner:
         state = RequestState(
             [], req.num_prompt_tokens, [], req.num_computed_tokens, req.sampling, generator
         )
-        try:
-            state.grammar = self.structured.new_state(req.sampling.structured)
-        except GrammarError as exc:
-            raise StepError(f"request {req.req_id}: {exc}") from None
+        state.grammar = self.structured.new_state(req.sampling.structured)
         return _Chunk(
             req.req_id,
             state,

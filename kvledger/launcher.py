@@ -17,10 +17,12 @@ import sys
 import time
 from typing import cast
 
+from redis.exceptions import RedisError
+
 from kvledger.cli import warn_password_on_command_line
 from kvledger.supervisor import Child, Supervisor
-from services import redis_client, wire
-from services.config import ConfigError, StreamNames, env, read_redis_url_file
+from services import redis_client, transport, wire
+from services.config import ConfigError, StreamNames, env, read_redis_url_file, redact_url
 from services.messages import LedgerStatus
 from services.redis_server import RedisServer, RedisServerError, free_port
 
@@ -293,15 +295,24 @@ def _roles(
     return [*roles, ("gateway", gateway_env)]
 
 
+REDIS_WAIT_MIN_S = 0.05  # as the services' Reconnect: doubling to 2 s
+REDIS_WAIT_MAX_S = 2.0
+
+
 def _wait_for_ledger(
     url: str, streams: StreamNames, supervisor: Supervisor, timeout: float
 ) -> LedgerStatus | None:
     """The ledger's first status; None when a child exits first (at start-up that is a
-    setting to fix, not a crash to retry), on a stop request, or after `timeout`."""
+    setting to fix, not a crash to retry), on a stop request, or after `timeout`.
+
+    An external Redis may come up after the stack (the services wait for it with backoff too):
+    until it answers, the wait is logged once and `timeout` does not run, since the ledger
+    cannot start before it."""
     client = redis_client.connect_sync(url)
     deadline = time.monotonic() + timeout
+    delay_s, down_since = REDIS_WAIT_MIN_S, None
     try:
-        while time.monotonic() < deadline and not supervisor.stopping:
+        while (down_since is not None or time.monotonic() < deadline) and not supervisor.stopping:
             for child in supervisor.exited():
                 code = child.process.returncode if child.process is not None else None
                 print(
@@ -309,7 +320,28 @@ def _wait_for_ledger(
                     file=sys.stderr,
                 )
                 return None
-            data = cast("bytes | None", client.get(streams.ledger_status))
+            try:
+                data = cast("bytes | None", client.get(streams.ledger_status))
+            except (RedisError, OSError) as exc:
+                if not transport.is_unavailable(exc):
+                    raise
+                if down_since is None:
+                    down_since = time.monotonic()
+                    print(
+                        f"kvledger up: waiting for Redis at {redact_url(url)} ({exc})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, REDIS_WAIT_MAX_S)
+                continue
+            if down_since is not None:
+                print(
+                    f"kvledger up: Redis answered after {time.monotonic() - down_since:.1f}s",
+                    flush=True,
+                )
+                deadline = time.monotonic() + timeout
+                delay_s, down_since = REDIS_WAIT_MIN_S, None
             if data:
                 return wire.decode(data, LedgerStatus)
             time.sleep(0.2)

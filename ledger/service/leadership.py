@@ -73,10 +73,19 @@ class Leadership:
     async def acquire(self, stopping: asyncio.Event) -> int:
         """Wait until this ledger holds the lease; return its fencing token."""
         announced = 0.0
+        down_since: float | None = None  # one line when an outage begins, one when it ends
+        attempts = 0
         while not stopping.is_set():
             started = time.monotonic()
             try:
-                if await self.r.set(self.key, self.holder, nx=True, px=self.ttl_ms):
+                acquired = await self.r.set(self.key, self.holder, nx=True, px=self.ttl_ms)
+                if down_since is not None:
+                    log.info(
+                        "redis_reconnected", loop="leadership",
+                        down_s=round(started - down_since, 3), attempts=attempts,
+                    )  # fmt: skip
+                    down_since, attempts = None, 0
+                if acquired:
                     self.token = int(await self.r.incr(self.token_key))
                     self._valid_until = started + self.ttl_ms / 1000
                     self._lost = False
@@ -86,9 +95,12 @@ class Leadership:
                 leader = await self.r.get(self.key)
                 self.leader_seen = leader.decode() if isinstance(leader, bytes) else leader
             except aioredis.ConnectionError as exc:
-                log.warning("redis_unavailable", loop="leadership", error=str(exc))
+                if down_since is None:
+                    down_since = started
+                    log.warning("redis_unavailable", loop="leadership", error=str(exc))
+                attempts += 1
             self.standing_by = True
-            if time.monotonic() - announced > 30:
+            if down_since is None and time.monotonic() - announced > 30:
                 log.info("standing_by", leader=self.leader_seen, key=self.key, holder=self.holder)
                 announced = time.monotonic()
             await asyncio.sleep(self.ttl_ms / 3000)

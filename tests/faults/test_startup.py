@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.redis_server import free_port
-from tests.e2e.conftest import ROOT
+from tests.e2e.conftest import ROOT, launch
 from tests.faults.conftest import MODEL, Redis, complete
 
 pytestmark = pytest.mark.slow
 
+ROLES = ("ledger", "worker", "gateway")
 WAIT_BEFORE_REDIS_S = 3.0  # long enough for several backoff rounds (50 ms doubling to 2 s)
 
 
@@ -115,14 +116,56 @@ def test_ledger_and_worker_started_before_redis_wait_for_it_and_serve():
                     time.sleep(0.5)
                 streamed = complete(url, 0, stream=True, timeout=30)
                 assert streamed.text == out.text, streamed.error
-            for service in (ledger, worker):
+            # The ledger first waits for its leadership lease, the worker to join.
+            for service, loop in ((ledger, "leadership"), (worker, "startup")):
                 waits = service.records("redis_unavailable")
                 # One line for the whole wait (not one per attempt), and one when it ends.
-                assert [w["loop"] for w in waits] == ["startup"], waits
+                assert [w["loop"] for w in waits] == [loop], waits
                 back = service.records("redis_reconnected")
-                assert [b["loop"] for b in back] == ["startup"], back
+                assert [b["loop"] for b in back] == [loop], back
                 assert back[0]["attempts"] >= 3 and back[0]["down_s"] >= WAIT_BEFORE_REDIS_S
                 assert service.process.poll() is None, service.output()
             print(f"served {MODEL} after waiting {back[0]['down_s']} s for Redis")
     finally:
         redis.stop()
+
+
+def test_kvledger_up_on_an_external_redis_not_up_yet_waits_for_it_then_serves():
+    """`kvledger up` with KVLEDGER_REDIS_URL naming a Redis that comes up later: the launcher
+    and every child (the gateway too) wait for it instead of crashing, then the stack serves."""
+    redis = Redis(aof=False)  # its port is chosen, nothing listens on it yet
+    served = launch(
+        "default", num_gpu_blocks=64, max_model_len=128,
+        env={"KVLEDGER_REDIS_URL": redis.url, "KVLEDGER_LOG_FORMAT": "json"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60  # the worker builds its model first
+        while True:
+            waiting = {r.get("service") for r in served.log_records("redis_unavailable")}
+            if {f"kvledger-{role}" for role in ROLES} <= waiting and any(
+                "kvledger up: waiting for Redis" in line for line in served.lines
+            ):
+                break
+            assert served.process.poll() is None, f"kvledger up exited:\n{served.output()}"
+            assert time.monotonic() < deadline, f"not all waiting for Redis:\n{served.output()}"
+            time.sleep(0.1)
+        time.sleep(WAIT_BEFORE_REDIS_S)
+        assert served.process.poll() is None, served.output()
+        assert " exited with code " not in served.output(), served.output()  # no restart
+        redis.start()
+        served.wait_until_serving()
+        assert any("kvledger up: Redis answered after" in line for line in served.lines)
+        out = complete(served.url, 0, stream=False, timeout=30)
+        streamed = complete(served.url, 0, stream=True, timeout=30)
+        assert out.text is not None and streamed.text == out.text, (out.error, streamed.error)
+        for role, loop in (("ledger", "leadership"), ("worker", "startup"), ("gateway", "startup")):
+            service = f"kvledger-{role}"
+            waits = [r for r in served.log_records("redis_unavailable") if r["service"] == service]
+            assert [w["loop"] for w in waits] == [loop], (role, waits)  # one line, not per try
+            back = [r for r in served.log_records("redis_reconnected") if r["service"] == service]
+            assert [b["loop"] for b in back] == [loop], (role, back)
+            assert back[0]["down_s"] >= WAIT_BEFORE_REDIS_S
+    finally:
+        served.stop()
+        redis.stop()
+    assert served.process.returncode == 0, served.output()

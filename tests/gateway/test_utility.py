@@ -6,10 +6,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import jsonschema
 import pytest
 
 from gateway.openapi import FIELD_SCHEMAS
-from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from gateway.support import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    DETOKENIZE_FIELDS,
+    STRUCTURED_OUTPUTS_FIELDS,
+    TOKENIZE_FIELDS,
+)
 from services.tokenizer import ByteTokenizer
 from tests.gateway.helpers import assert_error
 
@@ -104,6 +111,46 @@ async def test_openapi_describes_every_route_and_every_field(start_gateway, star
     assert set(chat["content"]["application/json"]["schema"]["properties"]) == set(CHAT_FIELDS)
     for table in (COMPLETION_FIELDS, CHAT_FIELDS, TOKENIZE_FIELDS, DETOKENIZE_FIELDS):
         assert set(table) <= set(FIELD_SCHEMAS)
+
+
+STRUCTURED_BODIES = [  # (body, accepted by the gateway)
+    ({"structured_outputs": {"regex": "[a-z]{3}"}}, True),
+    ({"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": True}}, True),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, True),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+        True,
+    ),
+    ({"response_format": {"type": "json_object"}}, True),
+    ({"response_format": {"type": "text"}}, True),
+    ({"structured_outputs": {"regex": 3}}, False),
+    ({"structured_outputs": {"choice": []}}, False),
+    ({"structured_outputs": {"json_object": False}}, False),
+    ({"structured_outputs": {"regexp": "a"}}, False),
+    ({"response_format": {"type": "json_schema"}}, False),
+    ({"response_format": {"type": "yaml"}}, False),
+]
+
+
+async def test_openapi_describes_structured_outputs_and_response_format_by_key(
+    start_gateway, start_ledger
+):
+    """The document's schema for the two fields says what the gateway does: bodies it accepts
+    validate, bodies it answers with a 400 do not (checked against the gateway itself)."""
+    await start_ledger()
+    client = await start_gateway()
+    doc = await (await client.get("/openapi.json")).json()
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    schema = body["schema"]
+    options = schema["properties"]["structured_outputs"]
+    assert set(options["properties"]) == set(STRUCTURED_OUTPUTS_FIELDS)
+    assert options["properties"]["structural_tag"]["description"].startswith("Refused")
+    for extra, accepted in STRUCTURED_BODIES:
+        request = {"prompt": "x", "max_tokens": 2, **extra}
+        valid = jsonschema.Draft202012Validator(schema).is_valid(request)
+        resp = await client.post("/v1/completions", json=request)
+        assert valid == accepted, (extra, valid)
+        assert (resp.status == 200) == accepted, (extra, resp.status, await resp.text())
 
 
 COMMANDS = ["up", "ledger", "worker", "gateway", "hash", "capacity", "simulate", "events"]

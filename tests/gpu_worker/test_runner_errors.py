@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.runner import StepError
-from services.messages import CachedRequestData, NewRequestData, SamplingParams, StepMessage
+from gpu_worker.runner import RequestsFailed, StepError
+from services.messages import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    StepMessage,
+    StructuredOutput,
+)
 
 GREEDY = SamplingParams()
 
@@ -125,3 +131,26 @@ def test_new_request_replaces_held_state(runner):
     assert set(sampled) == {"a"}
     assert runner.requests["a"].token_ids == [256, 9, 9, sampled["a"]]
     assert runner.requests["a"].block_ids == [6]
+
+
+def test_a_grammar_the_worker_cannot_build_fails_that_request_alone(runner):
+    """Named in RequestsFailed (the ledger fails it alone, as a sampling failure), not a
+    refused step that strikes every request beside it; nothing changes, and the others run."""
+    bad = StructuredOutput(kind="grammar", grammar="start: undefined_rule")
+    poison = NewRequestData(
+        "bad", [256, 9, 8], 3, [5], 0, SamplingParams(max_tokens=4, structured=bad)
+    )
+    before = snapshot(runner)
+    cache = runner.kv_caches[0][0].clone()
+    with pytest.raises(RequestsFailed) as failed:
+        runner.execute(
+            step([new("b", [256, 7, 7], [4]), poison], scheduled={"b": 3, "bad": 3, "a": 1})
+        )
+    assert list(failed.value.errors) == ["bad"]
+    assert failed.value.errors["bad"].startswith("GrammarError: structured output (grammar): ")
+    assert 'unknown name: "undefined_rule"' in failed.value.errors["bad"]
+    assert_unchanged(runner, before)
+    assert torch.equal(runner.kv_caches[0][0], cache)
+    # The same step without it runs (the ledger re-sends it so once it failed the request).
+    sampled = runner.execute(step([new("b", [256, 7, 7], [4])], scheduled={"b": 3, "a": 1}))
+    assert set(sampled) == {"a", "b"}

@@ -9,13 +9,21 @@ import time
 
 from gpu_worker.runner import ModelRunner
 from services import transport, wire
-from services.messages import GenerateRequest, OutputBatch, SamplingParams, StepMessage
+from services.messages import (
+    GenerateRequest,
+    OutputBatch,
+    SamplingParams,
+    StepMessage,
+    StructuredOutput,
+)
 from tests.services.stack import Stack, dense_greedy
 from tests.services.test_ledger_service import prompts
 
-# Every token masked but one, and that one banned: no probability is left to sample from
-# (torch.multinomial: "probability tensor contains either inf, nan or element < 0").
-NOTHING_TO_SAMPLE = {"temperature": 1.0, "allowed_token_ids": [5], "bad_words_token_ids": [[5]]}
+# A repetition penalty vLLM accepts (> 0, finite) that is 0 in float32: every prompt token
+# with a positive logit is divided by it into +inf, the softmax is NaN, and torch.multinomial
+# fails ("probability tensor contains either inf, nan or element < 0"). (Every token masked no
+# longer fails: the sampler falls back to the raw logits for such a row.)
+NOTHING_TO_SAMPLE = {"temperature": 1.0, "repetition_penalty": 1e-300}
 
 
 def failed_count(stack: Stack, reason: str) -> float:
@@ -44,6 +52,35 @@ async def test_a_request_the_worker_cannot_sample_fails_alone(redis_url, tiny_mo
         assert failed_count(stack, "worker_error") == 1
         assert stack.ledger.manager.num_free_blocks == 63
         assert not stack.ledger.manager.req_to_blocks
+    finally:
+        await stack.stop()
+
+
+async def test_a_grammar_the_worker_cannot_build_fails_that_request_alone(redis_url, tiny_model):
+    """Written straight to the requests stream (the gateway checks grammars; a producer that
+    skips it must not take the step down): only that request fails, with llguidance's error."""
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    try:
+        batch = prompts(3, 20, seed=12)
+        bad = StructuredOutput(kind="grammar", grammar="start: undefined_rule")
+        await stack.submit("r0", batch[0], 12)
+        await stack.submit("bad-grammar", batch[1], 12, structured=bad)
+        await stack.submit("r1", batch[2], 12)
+        results = await stack.wait(["r0", "r1", "bad-grammar"], timeout=120)
+        final = results["bad-grammar"].final
+        assert final.finish_reason == "error"
+        assert final.error.startswith("the worker failed on this request: GrammarError: ")
+        assert 'unknown name: "undefined_rule"' in final.error
+        assert results["bad-grammar"].tokens == []
+        for i, prompt in enumerate([batch[0], batch[2]]):
+            assert results[f"r{i}"].final.finish_reason == "length"
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 12), f"r{i}"
+        assert failed_count(stack, "worker_error") == 1
+        assert failed_count(stack, "quarantined") == 0  # no strike against the others
+        await asyncio.sleep(0)
+        assert stack.ledger.manager.num_free_blocks == 63
+        assert not stack.ledger.manager.req_to_blocks
+        assert stack.ledger.quarantine.strikes == {}
     finally:
         await stack.stop()
 
