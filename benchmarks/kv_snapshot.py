@@ -75,7 +75,7 @@ async def run(args: argparse.Namespace) -> dict:
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
         r = connect(server.url)
         streams = StreamNames("bench")
-        stream = KVEventStream(r, streams, maxlen=1000, snapshot_interval_s=1e9, block_size=16,
+        stream = KVEventStream(r, streams, max_bytes=10**9, snapshot_interval_s=1e9, block_size=16,
                                hash_algo="sha256")  # fmt: skip
         stream.last_id = await r.xadd(streams.events, {b"batch": b"x"})
         stream.sync_from_pool(pool)

@@ -244,6 +244,7 @@ class LedgerService:
             except (RedisError, OSError) as exc:
                 await reconnect.failed(exc)  # anything but an outage propagates
                 await reconnect.until_up(self.r)
+                await self.leadership.renew()  # the outage may have outlasted the lease
                 self.membership_changed = True  # start over in a new epoch
 
     def _count_outage(self, loop: str) -> None:

@@ -31,9 +31,21 @@ log = get_logger("kvledger.ledger")
 
 # Renew or give back only a lease this holder still holds: a lease that expired and went to
 # another ledger must not be extended or deleted by the old holder.
+# A lease that is simply gone (Redis restarted without its data, or it expired while Redis was
+# away and nobody took it) is taken again, and the token counter is put back to at least this
+# leader's token: a counter restarted from 0 would hand a later leader a token the workers drop.
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return 1
+end
+if holder == false then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[3]) then
+        redis.call('SET', KEYS[2], ARGV[3])
+    end
+    return 2
 end
 return 0
 """
@@ -110,18 +122,26 @@ class Leadership:
         """Extend the lease every third of its TTL; raise LeadershipLost once another holds it."""
         while True:
             await asyncio.sleep(self.ttl_ms / 3000)
-            started = time.monotonic()
             try:
-                renewed = await self.r.eval(_RENEW, 1, self.key, self.holder, self.ttl_ms)
+                await self.renew()
             except aioredis.ConnectionError as exc:
                 # Keep trying: the local deadline runs out on its own if Redis stays away.
                 log.warning("lease_renewal_failed", error=str(exc), held=self.held())
-                continue
-            if not renewed:
-                self._lost = True
-                log.error("leadership_lost", holder=self.holder, fence=self.token, key=self.key)
-                raise LeadershipLost(f"the ledger lease {self.key} went to another ledger")
-            self._valid_until = started + self.ttl_ms / 1000
+
+    async def renew(self) -> None:
+        """Extend the lease now (or take it again if it is gone); LeadershipLost if another
+        ledger holds it. After a Redis outage the engine calls this before it steps again."""
+        started = time.monotonic()
+        renewed = await self.r.eval(
+            _RENEW, 2, self.key, self.token_key, self.holder, self.ttl_ms, self.token
+        )
+        if not renewed:
+            self._lost = True
+            log.error("leadership_lost", holder=self.holder, fence=self.token, key=self.key)
+            raise LeadershipLost(f"the ledger lease {self.key} went to another ledger")
+        if renewed == 2:
+            log.warning("lease_retaken", holder=self.holder, fence=self.token, key=self.key)
+        self._valid_until = started + self.ttl_ms / 1000
 
     async def release(self) -> None:
         """Give the lease back at a clean stop, so a standby takes over without waiting."""

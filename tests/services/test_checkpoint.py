@@ -29,7 +29,12 @@ async def test_a_background_snapshot_is_the_state_of_its_entry_while_events_keep
     r = aioredis.from_url(redis_url)
     streams = StreamNames(f"t{uuid.uuid4().hex[:8]}")
     stream = event_stream.KVEventStream(
-        r, streams, maxlen=1000, snapshot_interval_s=3600, block_size=16, hash_algo="sha256"
+        r,
+        streams,
+        max_bytes=10_000_000,
+        snapshot_interval_s=3600,
+        block_size=16,
+        hash_algo="sha256",
     )
     try:
         pool = BlockPool(8, enable_caching=True)

@@ -24,6 +24,9 @@ def _stored(rng: random.Random, blocks: int) -> BlockStored:
         parent_block_hash=rng.getrandbits(63),
         token_ids=[rng.randrange(32_000) for _ in range(16 * blocks)],
         block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
     )
 
 
