@@ -18,8 +18,8 @@ from typing import Any, TypeVar, cast, overload
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import AuthenticationError, AuthorizationError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services import redis_client, wire
@@ -32,7 +32,10 @@ UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """A lost connection, or a Redis still loading its data after a restart."""
+    """A lost connection, or a Redis still loading its data after a restart. A wrong password
+    or a user without the rights is not: waiting would never end, so it fails at once."""
+    if isinstance(exc, AuthenticationError | AuthorizationError):
+        return False
     if isinstance(exc, UNAVAILABLE):
         return True
     return isinstance(exc, ResponseError) and str(exc).startswith("LOADING")

@@ -25,6 +25,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from observability import get_logger
+from services import transport
 from services.config import StreamNames
 
 log = get_logger("kvledger.ledger")
@@ -107,6 +108,8 @@ class Leadership:
                 leader = await self.r.get(self.key)
                 self.leader_seen = leader.decode() if isinstance(leader, bytes) else leader
             except aioredis.ConnectionError as exc:
+                if not transport.is_unavailable(exc):
+                    raise  # a wrong password: waiting would never end
                 if down_since is None:
                     down_since = started
                     log.warning("redis_unavailable", loop="leadership", error=str(exc))

@@ -169,3 +169,25 @@ def test_kvledger_up_on_an_external_redis_not_up_yet_waits_for_it_then_serves():
         served.stop()
         redis.stop()
     assert served.process.returncode == 0, served.output()
+
+
+@pytest.mark.parametrize("role", ["ledger", "gateway"])
+def test_a_wrong_redis_password_fails_at_once_instead_of_waiting_forever(role):
+    # A refused password is not an outage: retrying would wait for ever behind a log line.
+    from services.redis_server import RedisServer
+
+    server = RedisServer(extra_args=("--requirepass", "right-password")).start()
+    try:
+        env = _env(f"redis://:wrong-password@127.0.0.1:{server.port}/0", free_port())
+        with started(role, env) as service:
+            try:
+                code = service.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the {role} kept waiting with a wrong password:\n{service.output()}")
+            assert code != 0
+            output = service.output()
+            assert "WRONGPASS" in output or "invalid username-password" in output, output
+            assert "wrong-password" not in output  # the password itself is never printed
+            assert not service.records("redis_unavailable"), output
+    finally:
+        server.stop()
