@@ -81,7 +81,9 @@ def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
     return start, min(per_rank, vocab_size - start), per_rank
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabShard(nn.Module):
+    """This rank's rows of a (vocab, hidden) weight: the embedding's or the LM head's."""
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__()
         self.tp = tp
@@ -89,6 +91,11 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.num_held, per_rank = vocab_range(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
 
+    def full_slices(self, param: str) -> Slices:
+        return (slice(self.start, self.start + self.num_held), slice(None))
+
+
+class VocabParallelEmbedding(_VocabShard):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
@@ -98,28 +105,15 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside[:, None], 0.0)
         return self.tp.all_reduce(out)
 
-    def full_slices(self, param: str) -> Slices:
-        return (slice(self.start, self.start + self.num_held), slice(None))
 
-
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_VocabShard):
     """The vocab-parallel LM head: each rank's logits slice, all-gathered and unpadded."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
-        super().__init__()
-        self.tp = tp
-        self.vocab_size = vocab_size
-        self.start, self.num_held, per_rank = vocab_range(vocab_size, tp)
-        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[..., : self.vocab_size]
-
-    def full_slices(self, param: str) -> Slices:
-        return (slice(self.start, self.start + self.num_held), slice(None))
 
 
 def load_shard(param: torch.Tensor, part: torch.Tensor) -> None:

@@ -260,7 +260,7 @@ class LedgerService:
         depth = 2 if self.cfg.async_scheduling else 1
         in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = collections.deque()
         while not self.stopping.is_set():
-            self.leadership.check()
+            await self.leadership.ensure()
             await self._drain_intake()
             if self.membership_changed:
                 in_flight.clear()  # their results belong to the old epoch
@@ -281,7 +281,9 @@ class LedgerService:
                 if not out.is_empty:
                     step = build_step_message(out, self.epoch, self.cfg.block_size)
                     step.leader_token = self.leadership.token
-                    self.leadership.check()  # a leader paused past its lease stops here
+                    await (
+                        self.leadership.ensure()
+                    )  # a leader paused past its lease and deposed stops here
                     await transport.append(
                         self.r, self.streams.steps(self.cfg.group), step, maxlen=10_000
                     )
@@ -333,7 +335,7 @@ class LedgerService:
         assert (
             self.scheduler is not None and self.manager is not None and self.telemetry is not None
         )
-        self.leadership.check()  # the step failed because a successor took the workers over
+        await self.leadership.ensure()  # the step failed because a successor took the workers over
         self.membership_changed = False
         preemptions = self.scheduler.preempt_all(reason="worker_lost")
         out: SchedulerOutput[Tracked] = SchedulerOutput(
@@ -430,7 +432,7 @@ class LedgerService:
         """Stream the last step's tokens to their gateways (held back to overlap the next step)."""
         if not self.outputs.unsent:
             return
-        self.leadership.check()  # a deposed leader's tokens would race its successor's
+        await self.leadership.ensure()  # a deposed leader's tokens would race its successor's
         for update in await self.outputs.flush():
             if update.finished:
                 await self._finish_tracking(update.request, None)
@@ -459,7 +461,7 @@ class LedgerService:
 
     async def _publish_events(self, events: list) -> None:
         assert self.manager is not None and self.events is not None
-        self.leadership.check()  # KV events and snapshots belong to the leader's block pool
+        await self.leadership.ensure()  # KV events and snapshots belong to the leader's block pool
         published = await self.events.publish(events, self.manager.block_pool, self.epoch)
         if published and self.metrics is not None:
             self.metrics.record_kv_events(published)

@@ -11,7 +11,8 @@ cannot know it was paused until it runs again, and by then a newer token is on t
 
 The leader also keeps a local deadline: the lease counts as held only until `ttl` after the
 start of the last renewal that succeeded, measured on the monotonic clock, so a resumed leader
-sees at once that its lease may have passed to another, and stops before it steps.
+sees at once that its lease may have passed to another and renews it before it steps: it goes on
+if nobody took the lease (its Redis was paused or restarted) and stops if a successor did.
 """
 
 from __future__ import annotations
@@ -78,10 +79,17 @@ class Leadership:
     def held(self) -> bool:
         return not self._lost and time.monotonic() < self._valid_until
 
-    def check(self) -> None:
-        """Raise LeadershipLost unless the lease is surely still ours."""
-        if not self.held():
+    async def ensure(self) -> None:
+        """Return once the lease is surely ours; LeadershipLost if another ledger holds it.
+
+        Past the local deadline (this ledger or its Redis was paused, or Redis was away) the
+        lease is renewed before anything else is written: taken again if nobody holds it, lost
+        if a successor does. A ledger paused past its lease stops here."""
+        if self.held():
+            return
+        if self._lost:
             raise LeadershipLost(f"the ledger lease {self.key} is no longer held by {self.holder}")
+        await self.renew()
 
     async def acquire(self, stopping: asyncio.Event) -> int:
         """Wait until this ledger holds the lease; return its fencing token."""
