@@ -119,3 +119,30 @@ async def test_kvledger_events_prints_one_readable_line_per_event(redis_url, tin
         assert len(printed_hashes) == 2 and set(printed_hashes) <= cached
     finally:
         await stack.stop()
+
+
+async def test_a_snapshot_over_one_part_is_written_in_parts_and_read_whole(redis_url):
+    # 200k cached blocks, 150k distinct hashes: ~1.8 MB, written as two parts under a temporary key and
+    # renamed over the live one; a subscriber bootstraps every hash with its count.
+    from ledger.core.block_pool import BlockPool
+    from ledger.service.event_stream import SNAPSHOT_PART_BYTES, KVEventStream
+    from services.config import StreamNames
+    from services.transport import connect
+
+    r = connect(redis_url)
+    streams = StreamNames("parts")
+    pool = BlockPool(200_001, enable_caching=True)
+    for block in pool.blocks[1:]:
+        block.block_hash = (block.block_id % 150_000).to_bytes(32, "big")  # some counted twice
+    stream = KVEventStream(r, streams, max_bytes=10**8, snapshot_interval_s=1e9, block_size=16,
+                           hash_algo="sha256")  # fmt: skip
+    stream.last_id = await r.xadd(streams.events, {b"batch": b"x"})
+    await stream.write_snapshot(pool, "e1")
+    assert await r.strlen(streams.events_snapshot) > SNAPSHOT_PART_BYTES
+    assert not await r.exists(f"{streams.events_snapshot}:writing")
+    sub = KVEventSubscriber(r, "parts")
+    await sub.bootstrap()
+    expected = Counter(to_event_hash(b.block_hash) for b in pool.blocks[1:])
+    assert dict(sub.index.counts) == dict(expected)
+    assert sub.last_id == stream.last_id.decode()
+    await r.aclose()
