@@ -76,6 +76,13 @@ class HealthLimits:
     stale_after_s: float = 2.0
     out_after_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        if not 0 < self.stale_after_s <= self.out_after_s:
+            raise ValueError(
+                f"health limits need 0 < stale_after_s <= out_after_s, got "
+                f"{self.stale_after_s} and {self.out_after_s}"
+            )
+
     def health(self, lag_s: float) -> ReplicaHealth:
         if lag_s >= self.out_after_s:
             return ReplicaHealth.OUT

@@ -10,6 +10,7 @@ from ledger.core.kv_cache_manager import KVCacheManager
 from ledger.core.request import Request
 from ledger.core.scheduler import Scheduler, SchedulerConfig
 from services.routing import (
+    HealthLimits,
     NoReplicaError,
     ReplicaHealth,
     ReplicaLoad,
@@ -132,3 +133,5 @@ def test_bad_settings_are_refused_by_name() -> None:
         RoutingWeights(waiting=-1)
     with pytest.raises(ValueError, match="at least one replica"):
         Router("round_robin", [])
+    with pytest.raises(ValueError, match="0 < stale_after_s <= out_after_s"):
+        HealthLimits(stale_after_s=5.0, out_after_s=2.0)
