@@ -258,7 +258,7 @@ class Router:
         w = self.weights
         load_cost = w.running * load.running + w.waiting * load.waiting + w.kv_usage * load.kv_usage
         cached_blocks = 0
-        if self.policy in ("approx", "precise", "oracle") and state is not ReplicaHealth.OUT:
+        if self.policy != "least_loaded" and state is not ReplicaHealth.OUT:
             # STALE distrusts only what comes from the replica (its events index); what this
             # router itself sent there (approx's LRU, precise's pending blocks) is still known.
             # Dropping that too made a loaded machine, where a ledger's 1 s status heartbeat runs
