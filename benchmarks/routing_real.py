@@ -107,6 +107,14 @@ class Stack:
         self.url = ""
 
     def __enter__(self) -> Stack:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)  # no ledger, worker or redis-server left behind
+            raise
+        return self
+
+    def _start(self) -> None:
         self.server.__enter__()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "OTEL_"))}
         self.base = {
@@ -131,7 +139,6 @@ class Stack:
                 raise RuntimeError("replicas never got their workers")
             time.sleep(0.5)
         self.start_gateway()
-        return self
 
     def _has_worker(self, name: str) -> bool:
         from services.config import StreamNames
@@ -215,7 +222,8 @@ class Stack:
     def __exit__(self, *exc: object) -> None:
         for proc in [*([self.gateway] if self.gateway else []), *self.procs]:
             proc.stop()
-        self.client.close()
+        if hasattr(self, "client"):
+            self.client.close()
         self.server.__exit__(*exc)
 
 
