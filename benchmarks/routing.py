@@ -116,7 +116,14 @@ def main_real(args: argparse.Namespace) -> None:
     """Every policy on the same trace with real processes, policies interleaved per repetition."""
     from benchmarks.routing_real import RealConfig, calibrate, run_policy
 
-    config = RealConfig(replicas=args.real_replicas, num_gpu_blocks=args.real_blocks)
+    if args.real_log_dir:
+        Path(args.real_log_dir).mkdir(parents=True, exist_ok=True)
+    config = RealConfig(
+        replicas=args.real_replicas,
+        num_gpu_blocks=args.real_blocks,
+        log_dir=args.real_log_dir,
+        stale_after_s=args.real_stale_after_s,
+    )
     low, high = (int(n) for n in args.real_system_len.split(","))
     turns = multi_tenant_workload(
         WorkloadConfig(
@@ -223,6 +230,10 @@ def main() -> None:
     parser.add_argument("--real-rate", type=float, default=4.0, help="conversations per second")
     parser.add_argument("--real-system-len", default="768,1280")
     parser.add_argument("--repetitions", type=int, default=1)
+    parser.add_argument("--real-stale-after-s", type=float, default=None,
+                        help="the gateways' stale limit (default 2 s): smaller emulates more load")  # fmt: skip
+    parser.add_argument("--real-log-dir", default=None,
+                        help="gateways' debug logs (routed records) and each run's requests here")  # fmt: skip
     args = parser.parse_args()
     if args.real:
         main_real(args)

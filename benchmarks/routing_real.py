@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import json
 import os
@@ -50,11 +51,17 @@ class RealConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     request_timeout_s: float = 900.0
+    # When set: each gateway logs at debug level (its `routed` records: every replica's score,
+    # health and lag) to <log_dir>/<policy>-gateway.log, and each run's requests to a JSON file.
+    log_dir: str | None = None
+    # The gateway's stale_after_s; a smaller one than the default 2 s makes replicas stale as
+    # often as a more loaded machine does (ledger status heartbeats late).
+    stale_after_s: float | None = None
 
 
 class Proc:
-    def __init__(self, role: str, env: dict[str, str]) -> None:
-        self.role, self.env = role, env
+    def __init__(self, role: str, env: dict[str, str], log_path: Path | None = None) -> None:
+        self.role, self.env, self.log_path = role, env, log_path
         self.lines: list[str] = []
         self.process: subprocess.Popen[str] | None = None
 
@@ -69,7 +76,11 @@ class Proc:
 
     def _pump(self, process: subprocess.Popen[str]) -> None:
         assert process.stdout is not None
+        log = self.log_path.open("a") if self.log_path is not None else None
         for line in process.stdout:
+            if log is not None:
+                log.write(line)
+                log.flush()
             self.lines.append(line)
             del self.lines[:-200]  # the tail is enough to say why a process died
 
@@ -96,6 +107,14 @@ class Stack:
         self.url = ""
 
     def __enter__(self) -> Stack:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(None, None, None)  # no ledger, worker or redis-server left behind
+            raise
+        return self
+
+    def _start(self) -> None:
         self.server.__enter__()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "OTEL_"))}
         self.base = {
@@ -120,7 +139,6 @@ class Stack:
                 raise RuntimeError("replicas never got their workers")
             time.sleep(0.5)
         self.start_gateway()
-        return self
 
     def _has_worker(self, name: str) -> bool:
         from services.config import StreamNames
@@ -136,12 +154,16 @@ class Stack:
 
     def start_gateway(self) -> None:
         port = free_port()
-        self.gateway = Proc(
-            "gateway",
-            {**self.base, "KVLEDGER_PORT": str(port), "KVLEDGER_REPLICAS": ",".join(self.names),
-             "KVLEDGER_ROUTING": self.policy, "KVLEDGER_MAX_QUEUE": "100000",
-             "KVLEDGER_REQUEST_TIMEOUT": str(self.config.request_timeout_s)},
-        ).start()  # fmt: skip
+        env = {**self.base, "KVLEDGER_PORT": str(port), "KVLEDGER_REPLICAS": ",".join(self.names),
+               "KVLEDGER_ROUTING": self.policy, "KVLEDGER_MAX_QUEUE": "100000",
+               "KVLEDGER_REQUEST_TIMEOUT": str(self.config.request_timeout_s)}  # fmt: skip
+        if self.config.stale_after_s is not None:
+            env["KVLEDGER_ROUTE_STALE_AFTER_S"] = str(self.config.stale_after_s)
+        log_path = None
+        if self.config.log_dir is not None:
+            env["KVLEDGER_LOG_LEVEL"] = "debug"
+            log_path = Path(self.config.log_dir) / f"{self.policy}-gateway.log"
+        self.gateway = Proc("gateway", env, log_path).start()
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
@@ -200,7 +222,8 @@ class Stack:
     def __exit__(self, *exc: object) -> None:
         for proc in [*([self.gateway] if self.gateway else []), *self.procs]:
             proc.stop()
-        self.client.close()
+        if hasattr(self, "client"):
+            self.client.close()
         self.server.__exit__(*exc)
 
 
@@ -349,6 +372,9 @@ def run_policy(
         time.sleep(1.5)  # the ledgers' counters follow their last step
         after = stack.prefix_counters()
         run.queried, run.hits, run.preemptions = (a - b for a, b in zip(after, before, strict=True))
+        if config.log_dir is not None:
+            path = Path(config.log_dir) / f"{policy}-{repetition}-requests.json"
+            path.write_text(json.dumps([dataclasses.asdict(s) for s in run.sent]))
         return run, stack.step_samples()
 
 

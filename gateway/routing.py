@@ -26,6 +26,7 @@ from services.config import ConfigError, GatewayConfig, StreamNames
 from services.messages import LedgerStatus
 from services.replicas import ReplicaSet, parse_replicas
 from services.routing import (
+    HealthLimits,
     NoReplicaError,
     ReplicaHealth,
     RouteDecision,
@@ -77,6 +78,7 @@ class GatewayRouting:
                 parse_replicas(config.replicas or config.replica, config.stream_prefix)
             )
             weights = parse_weights(config.routing_weights)
+            limits = HealthLimits(config.route_stale_after_s, config.route_out_after_s)
         except ValueError as exc:
             raise ConfigError(f"gateway: {exc}") from None
         names = list(self.replicas)
@@ -100,7 +102,11 @@ class GatewayRouting:
         self.replica_set: ReplicaSet | None = None
         self.router: Router | None = None
         if len(names) > 1:
-            self.replica_set = ReplicaSet(redis, list(self.replicas.items()))
+            self.replica_set = ReplicaSet(
+                redis,
+                list(self.replicas.items()),
+                limits=limits,
+            )
             self.router = Router(
                 self.policy,
                 names,
@@ -162,6 +168,9 @@ class GatewayRouting:
             "routed", replica=decision.replica, policy=self.policy,
             cached_tokens=chosen.cached_tokens, cost=round(chosen.cost, 1),
             healths={score.replica: score.health.value for score in decision.scores},
+            scores={s.replica: [s.cached_tokens, round(s.load_cost, 1), round(s.cost, 1)]
+                    for s in decision.scores},
+            lags=replicas.lags(), prompt_tokens=request.num_tokens,
         )  # fmt: skip
         return decision.replica
 

@@ -24,6 +24,8 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_REPLICAS": "the gateway's replicas to route across, comma-separated (default: its own)",
     "KVLEDGER_ROUTING": "gateway routing: round_robin, least_loaded, approx or precise (default precise)",
     "KVLEDGER_ROUTING_WEIGHTS": "routing costs in prefill tokens, e.g. prefix=1,running=32,waiting=512,kv_usage=1024",
+    "KVLEDGER_ROUTE_STALE_AFTER_S": "seconds a replica's events or ledger status may lag before the gateway stops trusting its events index (default 2)",
+    "KVLEDGER_ROUTE_OUT_AFTER_S": "seconds a replica's events or ledger status may lag before the gateway sends it nothing (default 10)",
     "KVLEDGER_STREAM_PREFIX": "prefix of every Redis key kvledger uses (default kvl)",
     "KVLEDGER_LOG_LEVEL": "log level: debug, info, warning, error (default info)",
     "KVLEDGER_LOG_FORMAT": "json or console (default: console on a terminal, else json)",
@@ -523,6 +525,15 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
         "routing policy across replicas: round_robin, least_loaded, approx or precise",
         lambda text: _choice(text, ("round_robin", "least_loaded", "approx", "precise")),
     )
+    route_stale_after_s: float = _opt(
+        "KVLEDGER_ROUTE_STALE_AFTER_S", 2.0,
+        "seconds behind (events or ledger status) before a replica's events index is not trusted",
+        float,
+    )  # fmt: skip
+    route_out_after_s: float = _opt(
+        "KVLEDGER_ROUTE_OUT_AFTER_S", 10.0,
+        "seconds behind (events or ledger status) before a replica gets no request", float,
+    )  # fmt: skip
     routing_weights: str | None = _opt(
         "KVLEDGER_ROUTING_WEIGHTS",
         None,

@@ -148,6 +148,14 @@ class ReplicaSet:
             return ReplicaHealth.OUT  # a ledger without a worker cannot run a step
         return self.limits.health(lag)
 
+    def lags(self) -> dict[str, tuple[float, float]]:
+        """Each replica's (events lag, status age) in seconds, rounded: what its health is from."""
+        now, now_wall = time.monotonic(), time.time()
+        return {
+            name: (round(s.events_lag_s(now), 3), round(s.status_age_s(now_wall, now), 3))
+            for name, s in self.replicas.items()
+        }
+
     def healths(self) -> dict[str, ReplicaHealth]:
         return {name: self.health(name) for name in self.replicas}
 

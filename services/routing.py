@@ -15,8 +15,10 @@ about evictions and starts empty after a restart); an `oracle` (simulation only)
 ledger's true prefix cache. The prompt's blocks are hashed once, exactly as the ledger will
 (`routable_block_hashes`), and only the blocks the ledger could hit count: never the last token.
 
-A replica whose events fall behind or whose status is old is STALE: scored by load alone, as its
-index may be wrong. One silent for longer is OUT: never chosen until it speaks again.
+A replica whose events fall behind or whose status is old is STALE: its events index may be
+wrong, so only what this router itself sent there recently counts as cached (precise's pending
+blocks, approx's LRU), else load alone. One silent for longer is OUT: never chosen until it
+speaks again.
 """
 
 from __future__ import annotations
@@ -75,6 +77,13 @@ class HealthLimits:
 
     stale_after_s: float = 2.0
     out_after_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.stale_after_s <= self.out_after_s:
+            raise ValueError(
+                f"health limits need 0 < stale_after_s <= out_after_s, got "
+                f"{self.stale_after_s} and {self.out_after_s}"
+            )
 
     def health(self, lag_s: float) -> ReplicaHealth:
         if lag_s >= self.out_after_s:
@@ -249,12 +258,15 @@ class Router:
         w = self.weights
         load_cost = w.running * load.running + w.waiting * load.waiting + w.kv_usage * load.kv_usage
         cached_blocks = 0
-        if (
-            self.prefix_source is not None
-            and state is ReplicaHealth.LIVE
-            and self.policy != "least_loaded"
-        ):
-            cached_blocks = self.prefix_source(replica, request.block_hashes)
+        if self.policy != "least_loaded" and state is not ReplicaHealth.OUT:
+            # STALE distrusts only what comes from the replica (its events index); what this
+            # router itself sent there (approx's LRU, precise's pending blocks) is still known.
+            # Dropping that too made a loaded machine, where a ledger's 1 s status heartbeat runs
+            # late past stale_after_s, scatter a hot prefix across replicas by load alone.
+            if self.lru is not None:
+                cached_blocks = self.lru.cached_blocks(replica, request.block_hashes)
+            elif self.prefix_source is not None and state is ReplicaHealth.LIVE:
+                cached_blocks = self.prefix_source(replica, request.block_hashes)
             if self.recent is not None:
                 cached_blocks = max(
                     cached_blocks, self.recent.cached_blocks(replica, request.block_hashes)

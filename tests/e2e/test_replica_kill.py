@@ -186,8 +186,8 @@ def test_a_killed_replica_is_scored_by_load_then_out_then_back_and_every_request
                     assert outcome.body["error"]["message"]
             routed = gateway.records("routed")
             healths = [r["healths"]["r0"] for r in routed]
-            # r0 may be out for the first requests too, until its first status and events
-            # arrive: the kill's "out" is the first one after it was live.
+            # From r0's first live record on: at start-up the first request may be routed before
+            # the gateway has read r0's status once (out until then), which is not the kill.
             first_out = healths.index("out", healths.index("live"))
             # Scored by load alone first (the ledger's status goes quiet: stale before out).
             if victim == "ledger":

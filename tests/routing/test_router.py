@@ -10,6 +10,7 @@ from ledger.core.kv_cache_manager import KVCacheManager
 from ledger.core.request import Request
 from ledger.core.scheduler import Scheduler, SchedulerConfig
 from services.routing import (
+    HealthLimits,
     NoReplicaError,
     ReplicaHealth,
     ReplicaLoad,
@@ -79,7 +80,7 @@ def test_precise_picks_the_replica_holding_the_prefix_until_load_outweighs_it() 
     assert fresh.route(req, busy).replica != "r2"
 
 
-def test_a_stale_replica_is_scored_by_load_alone_and_an_out_one_never_chosen() -> None:
+def test_a_stale_replicas_events_are_not_trusted_and_an_out_one_never_chosen() -> None:
     prompt = list(range(64 * BS))
     index = ReplicaPrefixIndex()
     index.apply("r1", serve(prompt))
@@ -92,6 +93,27 @@ def test_a_stale_replica_is_scored_by_load_alone_and_an_out_one_never_chosen() -
     assert out.replica == "r0"
     with pytest.raises(NoReplicaError, match="all 2 are out"):
         router.route(req, loads, {"r0": ReplicaHealth.OUT, "r1": ReplicaHealth.OUT})
+
+
+def test_a_burst_keeps_following_its_first_copy_while_that_replica_is_stale() -> None:
+    """A loaded machine delays a ledger's 1 s status heartbeat past stale_after_s while it is
+    prefilling a new system prompt: its events are not trusted then, but the blocks this router
+    just sent it are known, so the burst sharing that prompt stays there instead of spreading."""
+    names = ["r0", "r1", "r2", "r3"]
+    index = ReplicaPrefixIndex()  # no event yet: the first copy is still being prefilled
+    idle = {n: ReplicaLoad() for n in names}
+    system = list(range(2000, 2000 + 48 * BS))
+    for policy in ("precise", "approx"):
+        router = Router(policy, names, prefix_source=index.cached_blocks)
+        first = router.route(request(system + [1, 2]), idle).replica
+        stale = {first: ReplicaHealth.STALE}
+        burst = [router.route(request(system + [10 + k, 3]), idle, stale) for k in range(6)]
+        assert [d.replica for d in burst] == [first] * 6, policy
+        assert burst[0].score_of(first).cached_tokens == 48 * BS
+        # An out replica gets nothing, whatever was sent to it.
+        out = router.route(request(system + [99]), idle, {first: ReplicaHealth.OUT})
+        assert out.replica != first
+        assert out.score_of(first).cached_tokens == 0
 
 
 def test_round_robin_cycles_and_least_loaded_avoids_the_queue() -> None:
@@ -132,3 +154,5 @@ def test_bad_settings_are_refused_by_name() -> None:
         RoutingWeights(waiting=-1)
     with pytest.raises(ValueError, match="at least one replica"):
         Router("round_robin", [])
+    with pytest.raises(ValueError, match="0 < stale_after_s <= out_after_s"):
+        HealthLimits(stale_after_s=5.0, out_after_s=2.0)
