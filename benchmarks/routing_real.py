@@ -22,9 +22,6 @@ import heapq
 import json
 import os
 import statistics
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -33,13 +30,13 @@ from pathlib import Path
 
 import redis
 
+from kvledger.processes import ServiceProcess
 from kvledger.routing_workload import Turn
 from services import wire
 from services.messages import StepMessage, StepResult
 from services.redis_server import RedisServer, free_port
 from services.transport import FIELD
 
-ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "kvl"
 
 
@@ -59,41 +56,6 @@ class RealConfig:
     stale_after_s: float | None = None
 
 
-class Proc:
-    def __init__(self, role: str, env: dict[str, str], log_path: Path | None = None) -> None:
-        self.role, self.env, self.log_path = role, env, log_path
-        self.lines: list[str] = []
-        self.process: subprocess.Popen[str] | None = None
-
-    def start(self) -> Proc:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvledger.cli", self.role],
-            cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
-        return self
-
-    def _pump(self, process: subprocess.Popen[str]) -> None:
-        assert process.stdout is not None
-        log = self.log_path.open("a") if self.log_path is not None else None
-        for line in process.stdout:
-            if log is not None:
-                log.write(line)
-                log.flush()
-            self.lines.append(line)
-            del self.lines[:-200]  # the tail is enough to say why a process died
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 class Stack:
     """redis-server + N ledger/worker pairs + one gateway, as separate processes."""
 
@@ -101,9 +63,9 @@ class Stack:
         self.config, self.policy = config, policy
         self.names = [f"r{i}" for i in range(config.replicas)]
         self.server = RedisServer()
-        self.procs: list[Proc] = []
+        self.procs: list[ServiceProcess] = []
         self.metrics_urls: list[str] = []
-        self.gateway: Proc | None = None
+        self.gateway: ServiceProcess | None = None
         self.url = ""
 
     def __enter__(self) -> Stack:
@@ -129,7 +91,10 @@ class Stack:
         for name in self.names:
             port = free_port()
             env = {**self.base, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(port)}
-            self.procs += [Proc("ledger", env).start(), Proc("worker", env).start()]
+            self.procs += [
+                ServiceProcess("ledger", env, keep_lines=200).start(),
+                ServiceProcess("worker", env, keep_lines=200).start(),
+            ]
             self.metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
         self.client = redis.Redis.from_url(self.server.url)
         deadline = time.monotonic() + 300
@@ -163,7 +128,7 @@ class Stack:
         if self.config.log_dir is not None:
             env["KVLEDGER_LOG_LEVEL"] = "debug"
             log_path = Path(self.config.log_dir) / f"{self.policy}-gateway.log"
-        self.gateway = Proc("gateway", env, log_path).start()
+        self.gateway = ServiceProcess("gateway", env, log_path, keep_lines=200).start()
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:

@@ -9,10 +9,6 @@ in and is chosen again; at the end every KV block of both replicas is free."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -22,11 +18,12 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from kvledger.processes import ServiceProcess
 from services import wire
 from services.config import StreamNames
 from services.messages import LedgerStatus
 from services.redis_server import RedisServer, free_port
-from tests.e2e.conftest import ROOT, _hermetic_env
+from tests.e2e.conftest import _hermetic_env
 
 pytestmark = pytest.mark.slow
 
@@ -41,52 +38,6 @@ class Outcome:
     ended: float
     status: int
     body: dict
-
-
-class Proc:
-    def __init__(self, role: str, env: dict[str, str]) -> None:
-        self.role, self.env = role, env
-        self.lines: list[str] = []
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> Proc:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvledger.cli", self.role],
-            cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
-        return self
-
-    def _pump(self, process: subprocess.Popen) -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            self.lines.append(line)
-
-    def kill9(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def records(self, event: str) -> list[dict]:
-        found = []
-        for line in list(self.lines):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and record.get("event") == event:
-                found.append(record)
-        return found
 
 
 def _complete(url: str, index: int) -> Outcome:
@@ -117,13 +68,13 @@ def test_a_killed_replica_is_scored_by_load_then_out_then_back_and_every_request
             "KVLEDGER_DEVICE": "cpu", "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": "48",
             "KVLEDGER_MAX_MODEL_LEN": "256", "OMP_NUM_THREADS": "1",
         }  # fmt: skip
-        procs: dict[str, Proc] = {}
+        procs: dict[str, ServiceProcess] = {}
         for name in ("r0", "r1"):
             env = {**base, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(free_port())}
-            procs[f"ledger-{name}"] = Proc("ledger", env).start()
-            procs[f"worker-{name}"] = Proc("worker", env).start()
+            procs[f"ledger-{name}"] = ServiceProcess("ledger", env).start()
+            procs[f"worker-{name}"] = ServiceProcess("worker", env).start()
         port = free_port()
-        gateway = Proc(
+        gateway = ServiceProcess(
             "gateway",
             {**base, "KVLEDGER_PORT": str(port), "KVLEDGER_REPLICAS": "r0,r1",
              "KVLEDGER_REQUEST_TIMEOUT": str(TIMEOUT_S), "KVLEDGER_LOG_LEVEL": "debug"},
@@ -225,7 +176,7 @@ def _complete_ok(url: str) -> bool:
         return False
 
 
-def _last_health(gateway: Proc) -> str | None:
+def _last_health(gateway: ServiceProcess) -> str | None:
     routed = gateway.records("routed")
     return routed[-1]["healths"]["r0"] if routed else None
 

@@ -6,20 +6,16 @@ with it, the stack serves. The services run as separate processes (no supervisor
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import pytest
 
+from kvledger.processes import ServiceProcess
 from services.redis_server import free_port
-from tests.e2e.conftest import ROOT, launch
+from tests.e2e.conftest import launch
 from tests.faults.conftest import MODEL, Redis, complete
 
 pytestmark = pytest.mark.slow
@@ -28,50 +24,13 @@ ROLES = ("ledger", "worker", "gateway")
 WAIT_BEFORE_REDIS_S = 3.0  # long enough for several backoff rounds (50 ms doubling to 2 s)
 
 
-@dataclass
-class Service:
-    role: str
-    process: subprocess.Popen
-    lines: list[str] = field(default_factory=list)
-
-    def records(self, event: str) -> list[dict]:
-        found = []
-        for line in list(self.lines):
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and record.get("event") == event:
-                    found.append(record)
-        return found
-
-    def output(self) -> str:
-        return "".join(self.lines[-40:])
-
-
-def _pump(service: Service) -> None:
-    assert service.process.stdout is not None
-    for line in service.process.stdout:
-        service.lines.append(line)
-
-
 @contextlib.contextmanager
-def started(role: str, env: dict[str, str]) -> Iterator[Service]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvledger.cli", role],
-        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    service = Service(role, process)
-    threading.Thread(target=_pump, args=(service,), daemon=True).start()
+def started(role: str, env: dict[str, str]) -> Iterator[ServiceProcess]:
+    service = ServiceProcess(role, env).start()
     try:
         yield service
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        service.stop(timeout=20)
 
 
 def _env(redis_url: str, gateway_port: int) -> dict[str, str]:
