@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from ledger.core.events import (
@@ -34,22 +35,95 @@ from services.transport import connect, read_from
 log = logging.getLogger(__name__)
 
 
+# What the index reads of a batch: the events' kinds and block hashes. Every other field is
+# taken as msgspec.Raw (its bytes skipped, not built: token_ids are most of a BlockStored), but
+# required fields must be there and unknown ones are refused, as the full decoder does; a batch
+# this does not fit (hashes that are not ints, vLLM's positional events) goes through the full
+# decoder instead.
+def _hashes_only(cls: Any) -> Any:
+    names = cls.__struct_fields__
+    required = len(names) - len(cls.__struct_defaults__)
+    fields: list = [("block_hashes", list[int])] if "block_hashes" in names else []
+    for position, name in enumerate(names):
+        if name != "block_hashes":
+            raw = (name, msgspec.Raw) if position < required else (name, msgspec.Raw, msgspec.Raw())
+            fields.append(raw)
+    return msgspec.defstruct(f"_{cls.__name__}Hashes", fields, tag=cls.__name__,
+                             forbid_unknown_fields=True, gc=False)  # fmt: skip
+
+
+_Stored, _Removed, _Cleared = (
+    _hashes_only(c) for c in (BlockStored, BlockRemoved, AllBlocksCleared)
+)
+_HashesOnly: Any = msgspec.defstruct(
+    "_HashesOnly",
+    [("ts", float), ("events", list[_Stored | _Removed | _Cleared]),  # type: ignore[valid-type]
+     ("data_parallel_rank", int | None, None)],
+    array_like=True,
+    gc=False,
+)  # fmt: skip
+_HASHES_DECODER = msgspec.msgpack.Decoder(_HashesOnly)
+
+try:  # Counter's own C loop (counts[h] = counts.get(h, 0) + 1), without Counter.update's checks
+    from _collections import _count_elements  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - other Pythons
+
+    def _count_elements(counts: dict[int, int], hashes: list[int]) -> None:
+        for h in hashes:
+            counts[h] = counts.get(h, 0) + 1
+
+
 class PrefixIndex:
     def __init__(self) -> None:
-        self.counts: Counter[int] = Counter()
+        self.counts: dict[int, int] = {}  # event hash -> physical blocks holding it
 
     def apply(self, batch: KVEventBatch) -> None:
+        counts = self.counts
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self.counts.update(h for h in event.block_hashes if isinstance(h, int))
-            elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
-                    if self.counts.get(h, 0) > 1:
-                        self.counts[h] -= 1
-                    else:
-                        self.counts.pop(h, None)
+                    if isinstance(h, int):
+                        counts[h] = counts.get(h, 0) + 1
+            elif isinstance(event, BlockRemoved):
+                self._remove(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
-                self.counts.clear()
+                counts.clear()
+
+    def apply_bytes(self, data: bytes) -> None:
+        """Apply one batch as the stream carries it (raises EventDecodeError if it is none)."""
+        try:
+            events = _HASHES_DECODER.decode(data).events
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            self.apply(decode_batch(data))
+            return
+        counts = self.counts
+        get = counts.get
+        for event in events:
+            kind = type(event)
+            if kind is _Stored:
+                _count_elements(counts, event.block_hashes)
+            elif kind is _Removed:
+                for h in event.block_hashes:
+                    n = get(h)
+                    if n is None:
+                        continue
+                    if n > 1:
+                        counts[h] = n - 1
+                    else:
+                        del counts[h]
+            else:
+                counts.clear()
+
+    def _remove(self, block_hashes: list) -> None:
+        counts = self.counts
+        for h in block_hashes:
+            n = counts.get(h)
+            if n is None:
+                continue
+            if n > 1:
+                counts[h] = n - 1
+            else:
+                del counts[h]
 
     def cached_prefix_tokens(
         self,
@@ -130,7 +204,7 @@ class KVEventSubscriber:
         last_id, counts, logged = checkpoint.load()
         self.index.counts = counts
         for entry_id, data in logged:
-            self.index.apply(decode_batch(data))
+            self.index.apply_bytes(data)
             last_id = entry_id
         first = await self.r.xrange(self.streams.events, count=1)
         if first and _id_tuple(_text(first[0][0])) > _id_tuple(last_id) and last_id != "0-0":
@@ -139,17 +213,18 @@ class KVEventSubscriber:
             return
         self.last_id = last_id
 
-    async def poll(self, block_ms: int | None = 1000, count: int = 256) -> int:
-        """Apply what arrived after last_id; returns how many batches."""
+    async def poll(self, block_ms: int | None = 1000, count: int = 1024) -> int:
+        """Apply what arrived after last_id; returns how many batches (entries read)."""
         entries = await read_from(
             self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
         )
         applied: list[tuple[str, bytes]] = []
+        apply = self.index.apply_bytes
         for entry_id, fields in entries:
             self.last_id = entry_id.decode()
             try:
                 data = fields[b"batch"]
-                batch = decode_batch(data)
+                apply(data)
             except (KeyError, EventDecodeError) as exc:
                 # The stream is the ledger's: a reader cannot dead-letter or fix an entry, only
                 # step over it. The index stays right unless the entry held real events.
@@ -161,9 +236,8 @@ class KVEventSubscriber:
                     "field 'batch' missing" if isinstance(exc, KeyError) else exc,
                 )
                 continue
-            self.index.apply(batch)
-            self.batches_applied += 1
             applied.append((self.last_id, data))
+        self.batches_applied += len(applied)
         if applied and self.checkpoint is not None:
             self.checkpoint.append(applied, self.last_id, self.index.counts)
         return len(entries)

@@ -146,3 +146,67 @@ async def test_a_snapshot_over_one_part_is_written_in_parts_and_read_whole(redis
     assert dict(sub.index.counts) == dict(expected)
     assert sub.last_id == stream.last_id.decode()
     await r.aclose()
+
+
+def test_the_hashes_only_decoder_applies_what_the_full_decoder_does():
+    # Real batches (stores with token ids, removals, a clear), vLLM's positional events, hashes
+    # that are not ints (the full decoder's path) and entries both decoders refuse.
+    import msgpack
+    import pytest
+
+    from ledger.core.events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        EventDecodeError,
+        KVEventBatch,
+        decode_batch,
+        encode_batch,
+    )
+    from services.subscriber import PrefixIndex
+
+    def stored(*hashes):
+        return BlockStored(list(hashes), None, list(range(16 * len(hashes))), 16, None, "GPU", None)
+
+    batches = [
+        encode_batch(KVEventBatch(1.0, [stored(1, 2, 3), stored(2, 4)])),
+        encode_batch(KVEventBatch(2.0, [BlockRemoved([2, 9], "GPU"), stored(5)])),
+        msgpack.packb([3.0, [["BlockStored", [6, 7], 5, [0] * 32, 16], ["BlockRemoved", [1]]]]),
+        msgpack.packb(
+            [
+                4.0,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [b"\x08" * 32, 8],
+                        "parent_block_hash": None,
+                        "token_ids": [0] * 32,
+                        "block_size": 16,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                    }
+                ],
+            ]
+        ),
+    ]
+    fast, slow = PrefixIndex(), PrefixIndex()
+    for data in batches:
+        fast.apply_bytes(data)
+        slow.apply(decode_batch(data))
+        assert fast.counts == slow.counts
+    assert fast.counts == {2: 1, 3: 1, 4: 1, 5: 1, 6: 1, 7: 1, 8: 1}
+    refused = [
+        b"\xc1",  # not msgpack
+        msgpack.packb([5.0, [{"type": "BlockStored", "block_hashes": [1]}]]),  # fields missing
+        msgpack.packb(
+            [5.0, [{"type": "BlockRemoved", "block_hashes": [2], "medium": None, "colour": 1}]]
+        ),
+        msgpack.packb([5.0, [{"type": "BlockEvicted", "block_hashes": [2]}]]),
+    ]
+    for data in refused:
+        with pytest.raises(EventDecodeError):
+            fast.apply_bytes(data)
+    assert fast.counts == slow.counts
+    fast.apply_bytes(encode_batch(KVEventBatch(6.0, [AllBlocksCleared(), stored(9)])))
+    assert fast.counts == {9: 1}

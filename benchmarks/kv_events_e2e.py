@@ -1,0 +1,248 @@
+"""KV events end to end through Redis: the ledger's publisher, a real redis-server, a subscriber.
+
+The batches are those of `kv_events.py` (our scheduler and KVCacheManager over the shared-prefix
+workload, one batch per step), replayed until the stream holds `--events` events. They are
+written by the ledger's own `KVEventStream.publish` (one awaited XADD per batch, MAXLEN as in
+the service) and read by `KVEventSubscriber.poll` (XREAD from its position, decode, apply), each
+rep from the first entry to the last: events/s is what one subscriber keeps up with. Then the
+same with a checkpointing subscriber whose index was bootstrapped from a snapshot of `--entries`
+hashes (1M), so the checkpoint's cost at that size is in the rate.
+
+Baselines in the same run, interleaved, GC on: the subscriber of 337664e (before this work:
+pure-Python decoder, the whole index rewritten as JSON after every poll; its checkpointing run is
+cut to `--legacy-polls` polls, its rate being flat) and the subscriber this work had before its
+read path was tuned (msgspec into the full event structs, the Counter updated per event, 256
+entries per XREAD), both kept below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from kv_events import record_batches
+
+
+# ------------------------------------------------------------ the subscribers kvledger had before
+def _apply_counter(counts: Counter[int], batch: Any) -> None:
+    from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            counts.update(h for h in event.block_hashes if isinstance(h, int))
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                if counts.get(h, 0) > 1:
+                    counts[h] -= 1
+                else:
+                    counts.pop(h, None)
+        elif isinstance(event, AllBlocksCleared):
+            counts.clear()
+
+
+class LegacySubscriber:
+    """337664e's poll: the pure-Python decoder and a JSON rewrite of the index per poll."""
+
+    def __init__(self, r: Any, stream: str, counts: dict[int, int], checkpoint: Path | None):
+        self.r, self.stream, self.checkpoint = r, stream, checkpoint
+        self.counts: Counter[int] = Counter(counts)
+        self.last_id = "0-0"
+
+    async def poll(self, block_ms: int | None = None, count: int = 256) -> int:
+        from ledger.core.events import decode_batch_generic
+        from services.transport import read_from
+
+        entries = await read_from(self.r, self.stream, self.last_id, count=count, block_ms=block_ms)
+        for entry_id, fields in entries:
+            self.last_id = entry_id.decode()
+            _apply_counter(self.counts, decode_batch_generic(fields[b"batch"]))
+        if entries and self.checkpoint is not None:
+            tmp = self.checkpoint.with_suffix(".tmp")
+            tmp.write_text(
+                json.dumps({"last_id": self.last_id, "counts": list(self.counts.items())})
+            )
+            os.replace(tmp, self.checkpoint)
+        return len(entries)
+
+
+class BeforeTuningSubscriber:
+    """This work's subscriber before its read path was tuned: full structs, Counter, count 256."""
+
+    def __init__(self, r: Any, stream: str, counts: dict[int, int], checkpoint: Path | None):
+        from services.checkpoint import CheckpointWriter
+
+        self.r, self.stream = r, stream
+        self.counts: Counter[int] = Counter(counts)
+        self.checkpoint = CheckpointWriter(checkpoint) if checkpoint else None
+        if self.checkpoint is not None:
+            self.checkpoint.compact("0-0", self.counts)
+        self.last_id = "0-0"
+
+    async def poll(self, block_ms: int | None = None, count: int = 256) -> int:
+        from ledger.core.events import decode_batch
+        from services.transport import read_from
+
+        entries = await read_from(self.r, self.stream, self.last_id, count=count, block_ms=block_ms)
+        applied = []
+        for entry_id, fields in entries:
+            self.last_id = entry_id.decode()
+            data = fields[b"batch"]
+            _apply_counter(self.counts, decode_batch(data))
+            applied.append((self.last_id, data))
+        if applied and self.checkpoint is not None:
+            self.checkpoint.append(applied, self.last_id, self.counts)
+        return len(entries)
+
+
+# ------------------------------------------------------------------------------------ the run
+async def publish(
+    r: Any, streams: Any, blobs: list[bytes], target_events: int
+) -> tuple[int, float]:
+    from ledger.core.block_pool import BlockPool
+    from ledger.core.events import decode_batch
+    from ledger.service.event_stream import KVEventStream
+
+    stream = KVEventStream(r, streams, max_bytes=10**10, snapshot_interval_s=1e9, block_size=16,
+                           hash_algo="sha256")  # fmt: skip
+    stream._last_snapshot_start = time.monotonic()  # this run times events, not snapshots
+    pool = BlockPool(2, enable_caching=True)
+    batches = [decode_batch(b).events for b in blobs]
+    published, start = 0, time.perf_counter()
+    while published < target_events:
+        for events in batches:
+            published += await stream.publish(events, pool, "bench")
+    return published, time.perf_counter() - start
+
+
+async def drain(sub: Any) -> float:
+    start = time.perf_counter()
+    while await sub.poll(block_ms=None):
+        pass
+    return time.perf_counter() - start
+
+
+def synthetic_counts(n: int) -> dict[int, int]:
+    # Distinct 64-bit hashes (an odd multiplier is a bijection mod 2^64), 1 in 10 held twice.
+    return {(i * 0x9E3779B97F4A7C15) & (2**64 - 1): 2 if i % 10 == 0 else 1 for i in range(n)}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from ledger.core.events import decode_batch
+    from services.checkpoint import KVSnapshot, encode_snapshot, pack_counts
+    from services.config import StreamNames
+    from services.redis_server import RedisServer
+    from services.subscriber import KVEventSubscriber
+    from services.transport import connect
+
+    blobs = record_batches(args.requests)
+    big = synthetic_counts(args.entries)
+    hash_array, count_array = pack_counts(big)
+    snapshot = encode_snapshot(KVSnapshot(epoch="bench", stream_id="0-0", block_size=16,
+                                          hash_algo="sha256", written_at=time.time(),
+                                          hash_array=hash_array, count_array=count_array))  # fmt: skip
+    rates: dict[str, list[float]] = {}
+    with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
+        r = connect(server.url)
+        streams = StreamNames("bench")
+        events, publish_s = await publish(r, streams, blobs, args.events)
+        entries = await r.xlen(streams.events)
+        await r.set(streams.events_snapshot, snapshot)
+        expected: Counter[int] = Counter()
+
+        async def now(checkpoint: bool) -> tuple[float, int, dict]:
+            path = Path(tmp) / "now.ckpt"
+            for p in (path, path.with_name(path.name + ".log")):
+                p.unlink(missing_ok=True)
+            sub = KVEventSubscriber(r, "bench", checkpoint=path if checkpoint else None)
+            if checkpoint:
+                await sub.bootstrap()  # the 1M-entry index, at 0-0
+            return await drain(sub), events, sub.index.counts
+
+        def old(cls: type, checkpoint: bool, polls: int | None = None) -> Any:
+            async def go() -> tuple[float, int, dict]:
+                path = Path(tmp) / f"{cls.__name__}.ckpt"
+                sub = cls(
+                    r, streams.events, big if checkpoint else {}, path if checkpoint else None
+                )
+                if polls is None:
+                    return await drain(sub), events, sub.counts
+                start, read, seen = time.perf_counter(), 0, 0
+                for _ in range(polls):
+                    got = await sub.poll()
+                    seen += sum(blob_events[i % len(blobs)] for i in range(read, read + got))
+                    read += got
+                return time.perf_counter() - start, seen, {}
+
+            return go
+
+        # Events per recorded batch: the stream holds them in this order, over and over.
+        blob_events = [len(decode_batch(b).events) for b in blobs]
+
+        variants = {
+            "plain: kvledger now": lambda: now(False),
+            "plain: before tuning (i12)": old(BeforeTuningSubscriber, False),
+            "plain: before (337664e)": old(LegacySubscriber, False),
+            f"checkpoint, {args.entries:,} entries: kvledger now": lambda: now(True),
+            f"checkpoint, {args.entries:,} entries: before tuning (i12)": old(
+                BeforeTuningSubscriber, True
+            ),
+            f"checkpoint, {args.entries:,} entries: before (337664e)": old(
+                LegacySubscriber, True, args.legacy_polls
+            ),
+        }
+        finals: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for name, go in variants.items():
+                seconds, seen, counts = await go()
+                rates.setdefault(name, []).append(seen / seconds)
+                finals[name] = counts
+        # Every full drain ends with the same index: the plain ones hold the workload's hashes,
+        # the checkpointing ones those plus the snapshot's.
+        expected = Counter(finals["plain: before (337664e)"])
+        for name, counts in finals.items():
+            if not counts:
+                continue
+            want = expected if name.startswith("plain") else Counter(big) + expected
+            if dict(counts) != dict(want):
+                sys.exit(f"{name}: the index differs from the baseline's")
+        await r.aclose()
+    return {"events": events, "entries": entries, "publish_events_per_s": events / publish_s,
+            "rates": rates}  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--entries", type=int, default=1_000_000)
+    parser.add_argument("--legacy-polls", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    result = asyncio.run(run(args))
+    print(f"\nKV events through Redis: {result['events']:,} events in {result['entries']:,} "
+          f"stream entries, published by KVEventStream at "
+          f"{result['publish_events_per_s'] / 1e3:.0f}k events/s (one XADD per batch); "
+          f"subscriber events/s, median of {args.repeats} interleaved (min-max), GC on")  # fmt: skip
+    print(f"{'subscriber':<58} {'events/s':>24}")
+    for name, rates in result["rates"].items():
+        print(f"{name:<58} {statistics.median(rates) / 1e3:>8.0f}k "
+              f"({min(rates) / 1e3:.0f}k-{max(rates) / 1e3:.0f}k)")  # fmt: skip
+    if args.json:
+        result["machine"] = {"python": sys.version.split()[0], "cpus": os.cpu_count(),
+                             "load": os.getloadavg()}  # fmt: skip
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
