@@ -138,7 +138,7 @@ def synthetic_counts(n: int) -> dict[int, int]:
 async def run(args: argparse.Namespace) -> dict:
     from ledger.core.events import decode_batch
     from services.checkpoint import KVSnapshot, encode_snapshot, pack_counts
-    from services.config import StreamNames
+    from services.keys import StreamNames
     from services.redis_server import RedisServer
     from services.subscriber import KVEventSubscriber
     from services.transport import connect

@@ -75,7 +75,7 @@ async def bootstrap_before_fromkeys(r, key: str) -> int:
 async def run(args: argparse.Namespace) -> dict:
     from ledger.core.block_pool import BlockPool
     from ledger.service.event_stream import KVEventStream
-    from services.config import StreamNames
+    from services.keys import StreamNames
     from services.redis_server import RedisServer
     from services.subscriber import KVEventSubscriber
     from services.transport import connect

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services import registry, transport  # noqa: E402
-from services.config import StreamNames  # noqa: E402
+from services.keys import StreamNames  # noqa: E402
 from services.messages import (  # noqa: E402
     GenerateRequest,
     SamplingParams,

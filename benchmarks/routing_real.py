@@ -106,7 +106,7 @@ class Stack:
         self.start_gateway()
 
     def _has_worker(self, name: str) -> bool:
-        from services.config import StreamNames
+        from services.keys import StreamNames
         from services.messages import LedgerStatus
 
         data = self.client.get(StreamNames(PREFIX, name).ledger_status)

@@ -35,7 +35,8 @@ from observability import (
 )
 from observability.ratelimit import RateLimitedLog, install_loop_exception_handler
 from services import transport
-from services.config import ConfigError, GatewayConfig
+from services.config import GatewayConfig
+from services.environment import ConfigError
 from services.http_server import CappedSite, connection_cap, limits_of, runner_options
 from services.tokenizer import load_tokenizer
 

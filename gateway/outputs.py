@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from observability import get_logger
 from services import transport, wire
-from services.config import OUTPUTS_TTL_S
+from services.keys import OUTPUTS_TTL_S
 from services.messages import OutputBatch, RequestOutput, TokenLogprobs
 
 log = get_logger("gateway.outputs")

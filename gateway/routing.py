@@ -22,7 +22,9 @@ from gateway.fields import ApiError
 from gateway.outputs import OutputDispatcher
 from gateway.protocol import Job
 from observability import Attr, SpanName, get_logger
-from services.config import ConfigError, GatewayConfig, StreamNames
+from services.config import GatewayConfig
+from services.environment import ConfigError
+from services.keys import StreamNames
 from services.messages import LedgerStatus
 from services.replicas import ReplicaSet, parse_replicas
 from services.routing import (

@@ -23,7 +23,7 @@ from gpu_worker.model import (
 )
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.safetensors_reader import SafetensorsError, SafetensorsFile
-from services.config import env
+from services.environment import env
 from services.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
 
 DTYPES = {

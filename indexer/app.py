@@ -23,7 +23,8 @@ from indexer.score import ScoreRequestError, read_score_request
 from observability import get_logger
 from observability.ratelimit import RateLimitedLog
 from services import transport
-from services.config import ConfigError, IndexerConfig
+from services.config import IndexerConfig
+from services.environment import ConfigError
 from services.http_server import CappedSite, connection_cap, limits_of, runner_options
 from services.replicas import ReplicaSet, parse_replicas
 from services.routing import HealthLimits, ReplicaHealth

@@ -75,7 +75,7 @@ def _service_main(
     name: str, cls: type[LedgerConfig | WorkerConfig | GatewayConfig | IndexerConfig]
 ) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        from services.config import ConfigError
+        from services.environment import ConfigError
 
         try:
             config = from_arguments(cls, args)
@@ -96,7 +96,7 @@ def _service_main(
 
 def warn_password_on_command_line(command: str, flag_value: str | None) -> None:
     """A password in --redis-url shows in `ps` to every user of the machine: say so once."""
-    from services.config import redact_url, redis_password
+    from services.environment import redact_url, redis_password
 
     if flag_value and redis_password(flag_value):
         print(
@@ -110,7 +110,8 @@ def warn_password_on_command_line(command: str, flag_value: str | None) -> None:
 
 def _resolve_redis_url(command: str, config: object, flag_value: str | None) -> None:
     """No --redis-url nor KVLEDGER_REDIS_URL: KVLEDGER_REDIS_URL_FILE, if set."""
-    from services.config import CommonConfig, env, read_redis_url_file
+    from services.config import CommonConfig
+    from services.environment import env, read_redis_url_file
 
     assert isinstance(config, CommonConfig)
     warn_password_on_command_line(command, flag_value)
@@ -243,7 +244,7 @@ def run_indexer(config: IndexerConfig) -> int:
     from indexer import serve
     from kvledger.runtime import require_redis_url, setup_observability
     from observability import shutdown_tracing
-    from services.config import ConfigError
+    from services.environment import ConfigError
     from services.startup import run_event_loop
 
     require_redis_url(config, "indexer")

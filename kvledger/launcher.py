@@ -22,7 +22,8 @@ from redis.exceptions import RedisError
 from kvledger.cli import warn_password_on_command_line
 from kvledger.supervisor import Child, Supervisor
 from services import redis_client, transport, wire
-from services.config import ConfigError, StreamNames, env, read_redis_url_file, redact_url
+from services.environment import ConfigError, env, read_redis_url_file, redact_url
+from services.keys import StreamNames
 from services.messages import LedgerStatus
 from services.redis_server import RedisServer, RedisServerError, free_port
 

@@ -20,7 +20,8 @@ from observability import (
     setup_tracing,
     shutdown_tracing,
 )
-from services.config import CommonConfig, env, redis_password, secret_values
+from services.config import CommonConfig
+from services.environment import env, redis_password, secret_values
 from services.startup import run_event_loop
 from services.transport import connect
 
@@ -37,7 +38,7 @@ def require_redis_url(config: CommonConfig, service: str) -> str:
 
 
 def tracing_settings() -> TracingSettings:
-    """OpenTelemetry's standard variables (declared in services.config.ENV_VARS)."""
+    """OpenTelemetry's standard variables (declared in services.environment.ENV_VARS)."""
     return TracingSettings(
         endpoint=env("OTEL_EXPORTER_OTLP_ENDPOINT"),
         exporters=env("OTEL_TRACES_EXPORTER"),

@@ -153,7 +153,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_events(args: argparse.Namespace) -> int:
     import asyncio
 
-    from services.config import env
+    from services.environment import env
     from services.subscriber import print_events
 
     url = args.redis_url or env("KVLEDGER_REDIS_URL")

@@ -1,129 +1,17 @@
-"""Configuration: one dataclass per service, filled from flags with environment fallbacks.
-
-Every environment variable kvledger reads is declared in `ENV_VARS` (name -> meaning), so the
-compose file, the README and the code cannot drift apart. Secrets (the API key) come only from
-the environment, never from flags or files.
-"""
+"""Configuration: one dataclass per service, filled from flags with environment fallbacks
+(every variable declared in `services.environment.ENV_VARS`)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, TypeVar, cast
-from urllib.parse import urlsplit
+
+from services.environment import ConfigError, env
+from services.keys import StreamNames
 
 C = TypeVar("C")
-
-ENV_VARS: dict[str, str] = {
-    "KVLEDGER_REDIS_URL": "Redis URL shared by every service (default: a private redis-server)",
-    "KVLEDGER_REDIS_URL_FILE": "a file holding the Redis URL (keeps a password out of `ps`)",
-    "KVLEDGER_REPLICA": "this replica's name, a hash tag in its keys (default default)",
-    "KVLEDGER_REPLICAS": "the gateway's replicas to route across, comma-separated (default: its own)",
-    "KVLEDGER_ROUTING": "gateway routing: round_robin, least_loaded, approx or precise (default precise)",
-    "KVLEDGER_ROUTING_WEIGHTS": "routing costs in prefill tokens, e.g. prefix=1,running=32,waiting=512,kv_usage=1024",
-    "KVLEDGER_ROUTE_STALE_AFTER_S": "seconds a replica's events or ledger status may lag before the gateway stops trusting its events index (default 2)",
-    "KVLEDGER_ROUTE_OUT_AFTER_S": "seconds a replica's events or ledger status may lag before the gateway sends it nothing (default 10)",
-    "KVLEDGER_STREAM_PREFIX": "prefix of every Redis key kvledger uses (default kvl)",
-    "KVLEDGER_LOG_LEVEL": "log level: debug, info, warning, error (default info)",
-    "KVLEDGER_LOG_FORMAT": "json or console (default: console on a terminal, else json)",
-    "KVLEDGER_API_KEY": "bearer token the gateway requires on /v1/* (unset: no auth)",
-    "KVLEDGER_HOST": "gateway bind address (default 127.0.0.1)",
-    "KVLEDGER_PORT": "gateway port (default 8000)",
-    "KVLEDGER_MODEL": "model folder (Hugging Face layout) or 'default' for the seeded tiny Llama",
-    "KVLEDGER_MODEL_NAME": "name served on /v1/models (default: the folder name, or kvledger-tiny-llama)",
-    "KVLEDGER_DEVICE": "worker device: auto, cpu or cuda (default auto)",
-    "KVLEDGER_DTYPE": "worker dtype: auto, float32, float16, bfloat16 (default auto)",
-    "KVLEDGER_BLOCK_SIZE": "tokens per KV block (default 16)",
-    "KVLEDGER_MAX_MODEL_LEN": "maximum tokens per request, prompt plus output (default 2048)",
-    "KVLEDGER_MAX_NUM_SEQS": "maximum running requests per step (default 64)",
-    "KVLEDGER_MAX_NUM_BATCHED_TOKENS": "token budget per scheduler step (default 2048)",
-    "KVLEDGER_GPU_MEMORY_UTILIZATION": "share of the GPU this worker may use (default 0.92)",
-    "KVLEDGER_KV_CACHE_MEMORY_BYTES": "fixed KV cache size per worker, e.g. 64MiB; skips profiling",
-    "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": "replace the profiled block count (benchmarks, tests)",
-    "KVLEDGER_WATERMARK": "share of blocks kept free when admitting waiting requests (default 0)",
-    "KVLEDGER_SCHEDULING_POLICY": "fcfs or priority (default fcfs)",
-    "KVLEDGER_EVENT_LOOP": "uvloop (default where installed) or asyncio: the services' event loop",
-    "KVLEDGER_ASYNC_SCHEDULING": "1 to schedule a step ahead of the workers (default), 0 for lock-step",
-    "KVLEDGER_PREFIX_CACHING": "1 to enable prefix caching, 0 to disable (default 1)",
-    "KVLEDGER_HASH_ALGO": "sha256, sha256_cbor, xxhash or xxhash_cbor (default sha256)",
-    "KVLEDGER_NUM_WORKERS": "workers the ledger waits for before it sizes the pool (default 1)",
-    "KVLEDGER_WORKER_ID": "this worker's id (default: host name and pid)",
-    "KVLEDGER_KV_EVENTS_MAX_MB": "Redis memory the KV-events stream may take, in MB (default 256)",
-    "KVLEDGER_METRICS_HOST": "address of the ledger's /metrics and /health (default 0.0.0.0; kvledger up: 127.0.0.1)",
-    "KVLEDGER_METRICS_PORT": "port of the ledger's Prometheus endpoint (default 9100, 0 = off)",
-    "KVLEDGER_NO_WORKER_TIMEOUT": "seconds the ledger holds requests with no live worker before failing them (default 60, 0 = never)",
-    "KVLEDGER_REQUEST_TIMEOUT": "seconds a request may take before the gateway aborts it (default 600)",
-    "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
-    "KVLEDGER_STALL_TIMEOUT": "seconds a waiting request lives without a ledger or workers and "
-    "without output before a 503 (default 60)",
-    "KVLEDGER_MAX_REQUEST_FAILURES": "failed steps a request may take part in before the ledger "
-    "quarantines it (default 3)",
-    "KVLEDGER_HEADER_TIMEOUT_S": "seconds an HTTP client may take to send its headers, or sit idle between requests (default 10)",
-    "KVLEDGER_BODY_TIMEOUT_S": "seconds an HTTP client may take to send a request body before a 408 (default 60)",
-    "KVLEDGER_MAX_CONNECTIONS": "open HTTP connections per service before new ones get a 503 (default: half the open-file limit)",
-    "KVLEDGER_SEED": "seed of the default model's random weights (default 0)",
-    "KVLEDGER_TP_RANK": "a worker's tensor-parallel rank (default 0)",
-    "KVLEDGER_TP_SIZE": "ranks of a worker's tensor-parallel group (default 1)",
-    "KVLEDGER_TP_HOST": "address rank 0 binds its rendezvous store on (default 127.0.0.1)",
-    "KVLEDGER_TP_PORT": "rank 0's rendezvous port (default 0: any free one, shared via Redis)",
-    "KVLEDGER_KERNELS": "attention backend: auto (default), cuda, or reference (the torch reference, even on a GPU)",
-    "KVLEDGER_KERNEL_CACHE": "where JIT-built CUDA kernels are cached (default ~/.cache/kvledger/kernels)",
-    "KVLEDGER_KERNEL_LIB": "a prebuilt libkvledger_kernels.so to load instead of building one",
-    "KVLEDGER_NVCC": "the nvcc to build the CUDA kernels with (default: PATH, CUDA_HOME)",
-    "KVLEDGER_TORCH_SPEC": "the torch requirement scripts/bootstrap.sh installs (default torch==2.13.0)",
-    "OTEL_EXPORTER_OTLP_ENDPOINT": "OTLP endpoint for traces, e.g. http://jaeger:4318 (unset: off)",
-    "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf (default) or grpc",
-    "OTEL_TRACES_EXPORTER": "set to console to print spans instead of exporting them",
-    "OTEL_SERVICE_NAME": "overrides the service.name of this process's spans",
-    "PYTHONHASHSEED": "seed of NONE_HASH for block hashing (vLLM's rule)",
-}
-
-
-# Values the logs never print, wherever they appear (the logging set-up redacts them).
-SECRET_ENV_VARS = ("KVLEDGER_API_KEY",)
-
-
-def secret_values() -> tuple[str, ...]:
-    values = [value for name in SECRET_ENV_VARS if (value := env(name))]
-    password = redis_password(env("KVLEDGER_REDIS_URL") or "")
-    return tuple(values + ([password] if password else []))
-
-
-def redis_password(url: str) -> str | None:
-    """The password in redis://user:password@host (None without one)."""
-    try:
-        return urlsplit(url).password or None
-    except ValueError:
-        return None
-
-
-def redact_url(url: str) -> str:
-    """The URL as it may be logged: the password replaced by ***."""
-    password = redis_password(url)
-    return url.replace(f":{password}@", ":***@", 1) if password else url
-
-
-def read_redis_url_file(path: str) -> str:
-    """The Redis URL from a file (first non-empty line): a password there stays out of `ps`."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"--redis-url-file / KVLEDGER_REDIS_URL_FILE: {exc}") from None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        raise ConfigError(f"--redis-url-file / KVLEDGER_REDIS_URL_FILE: {path} is empty")
-    return lines[0]
-
-
-def env(name: str, default: str | None = None) -> str | None:
-    if name not in ENV_VARS:
-        raise KeyError(f"{name} is not declared in services.config.ENV_VARS")
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value
-
 
 _UNITS = {
     "": 1,
@@ -151,79 +39,6 @@ def parse_bytes(text: str | int) -> int:
             f"cannot read {text!r} as a size: use bytes or a unit such as 512MiB, 20GiB"
         )
     return int(float(number) * _UNITS[unit])
-
-
-# A gateway's outputs stream lives this long after the ledger last wrote to it or its reader
-# last refreshed it: the streams of gateways that restarted (a new id each start) or never
-# existed (a request naming an unknown gateway) go away on their own.
-OUTPUTS_TTL_S = 600
-
-
-@dataclass(slots=True)
-class StreamNames:
-    """Every Redis key of one replica (a ledger and its workers): `{prefix}:{{{replica}}}:...`.
-    The replica's name is a hash tag, so all of one replica's keys live in one slot of a Redis
-    Cluster (multi-stream reads and pipelines need that) and replicas spread over the masters."""
-
-    prefix: str = "kvl"
-    replica: str = "default"
-
-    @property
-    def base(self) -> str:
-        return f"{self.prefix}:{{{self.replica}}}"
-
-    @property
-    def requests(self) -> str:
-        return f"{self.base}:requests"
-
-    @property
-    def results(self) -> str:
-        return f"{self.base}:results"
-
-    @property
-    def events(self) -> str:
-        return f"{self.base}:kv-events"
-
-    @property
-    def events_snapshot(self) -> str:
-        return f"{self.base}:kv-events:snapshot"
-
-    @property
-    def dead_letters(self) -> str:
-        return f"{self.base}:dead-letters"
-
-    @property
-    def ledger_status(self) -> str:
-        return f"{self.base}:ledger:status"
-
-    @property
-    def leader(self) -> str:
-        """The ledger lease: who leads this replica (ledger.service.leadership)."""
-        return f"{self.base}:ledger:leader"
-
-    @property
-    def leader_token(self) -> str:
-        """The leaders' fencing counter: each new leader's token is above every earlier one."""
-        return f"{self.base}:ledger:leader-token"
-
-    def steps(self, group: str) -> str:
-        return f"{self.base}:steps:{group}"
-
-    def outputs(self, gateway_id: str) -> str:
-        """A gateway's outputs stream; it expires OUTPUTS_TTL_S after the last write or read."""
-        return f"{self.base}:outputs:{gateway_id}"
-
-    def gateway_marker(self, gateway_id: str) -> str:
-        """A key the gateway renews: its absence means Redis lost its data (see gateway.outputs)."""
-        return f"{self.base}:gateways:{gateway_id}"
-
-    def worker(self, group: str, worker_id: str) -> str:
-        """A worker's registration key (`*` as worker_id: the pattern of the group's keys)."""
-        return f"{self.base}:workers:{group}:{worker_id}"
-
-    def tp_rendezvous(self, group: str, epoch: str) -> str:
-        """Where rank 0 of a tensor-parallel group publishes its store's host:port for an epoch."""
-        return f"{self.base}:tp:{group}:{epoch}"
 
 
 @dataclass
@@ -624,7 +439,3 @@ def from_arguments(
             raise ConfigError(f"{source}: {exc}") from None
     kwargs.update(overrides)
     return cls(**kwargs)
-
-
-class ConfigError(ValueError):
-    """A setting that does not parse; the message names the flag or variable."""

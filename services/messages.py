@@ -1,6 +1,6 @@
 """Every message that crosses Redis, declared once (see `services.wire` for the encoding).
 
-Streams (names in `services.config.StreamNames`):
+Streams (names in `services.keys.StreamNames`):
   requests  gateway -> ledger   GenerateRequest, AbortRequest
   steps     ledger  -> workers  StepMessage (one per scheduler step), WorkerShutdown
   results   workers -> ledger   WorkerHello (registration with capacity), StepResult

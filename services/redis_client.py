@@ -2,7 +2,7 @@
 Redis Cluster (`redis+cluster://host:port[,host:port...]`, `rediss+cluster://` for TLS).
 
 On a cluster every command that names several keys must name keys of one hash slot. kvledger's
-keys carry their replica's name as a hash tag (`kvl:{r0}:...`, services.config.StreamNames), and
+keys carry their replica's name as a hash tag (`kvl:{r0}:...`, services.keys.StreamNames), and
 no command mixes two replicas' keys: one XREADGROUP over a ledger's or worker's streams, one
 pipeline per replica. A pattern SCAN visits every master (RedisCluster.scan_iter does).
 """

@@ -12,7 +12,7 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from services import wire
-from services.config import StreamNames
+from services.keys import StreamNames
 from services.messages import WorkerHello
 
 

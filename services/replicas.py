@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from ledger.core.hashing import BlockHasher, resolve_none_hash_seed
 from services import wire
-from services.config import StreamNames
+from services.keys import StreamNames
 from services.messages import LedgerStatus
 from services.routing import HealthLimits, ReplicaHealth, ReplicaLoad, routable_block_hashes
 from services.subscriber import KVEventSubscriber

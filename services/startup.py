@@ -14,7 +14,7 @@ import gc
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from services.config import env
+from services.environment import env
 
 T = TypeVar("T")
 

@@ -29,7 +29,7 @@ from ledger.core.events import (
 )
 from ledger.core.hashing import BlockHasher, to_event_hash
 from services.checkpoint import CheckpointWriter, decode_snapshot, snapshot_counts
-from services.config import StreamNames
+from services.keys import StreamNames
 from services.transport import connect, read_from
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from services.config import ENV_VARS  # noqa: E402
+from services.environment import ENV_VARS  # noqa: E402
 from tests.compose_model import (  # noqa: E402
     DEFAULT_METRICS_PORT,
     ROLES,
@@ -150,14 +150,14 @@ def _kvledger_problems(
     where = f"services.{name}"
     environment = environment_of(service)
     problems = [
-        f"{where}.environment: {var} is not declared in services.config.ENV_VARS "
+        f"{where}.environment: {var} is not declared in services.environment.ENV_VARS "
         f"(nor allowed in tests/compose_check.py: {', '.join(sorted(ALLOWED_EXTRA_ENV))})"
         for var in environment
         if var not in ENV_VARS and var not in ALLOWED_EXTRA_ENV
     ]
     problems += [
         f"{where}.environment: ${{{var}}} interpolates a variable that is not declared "
-        "in services.config.ENV_VARS"
+        "in services.environment.ENV_VARS"
         for value in environment.values()
         for var in _INTERPOLATION.findall(str(value))
         if var not in ENV_VARS and var not in ALLOWED_EXTRA_ENV

@@ -34,7 +34,7 @@ from ledger.core.events import (
 )
 from ledger.core.hashing import to_event_hash
 from services.checkpoint import KVSnapshot, encode_snapshot, pack_arrays
-from services.config import StreamNames
+from services.keys import StreamNames
 
 # Before the first entry: the size measured under load (a few stored blocks per batch).
 ASSUMED_ENTRY_BYTES = 1900

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services import transport
-from services.config import StreamNames
+from services.keys import StreamNames
 
 CONSUMER = "ledger"
 

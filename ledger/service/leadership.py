@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 
 from observability import get_logger
 from services import transport
-from services.config import StreamNames
+from services.keys import StreamNames
 
 log = get_logger("kvledger.ledger")
 

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from ledger.core.scheduler import RequestUpdate
 from ledger.service.translate import Tracked, request_output
 from services import transport
-from services.config import OUTPUTS_TTL_S, StreamNames
+from services.keys import OUTPUTS_TTL_S, StreamNames
 from services.messages import OutputBatch, RequestOutput
 from services.wire import encode
 

@@ -20,7 +20,7 @@ import redis
 
 from kvledger.processes import ServiceProcess
 from services import wire
-from services.config import StreamNames
+from services.keys import StreamNames
 from services.messages import LedgerStatus
 from services.redis_server import RedisServer, free_port
 from tests.e2e.conftest import _hermetic_env

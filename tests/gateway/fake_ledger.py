@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from services import transport, wire
-from services.config import StreamNames
+from services.keys import StreamNames
 from services.messages import (
     AbortRequest,
     GenerateRequest,

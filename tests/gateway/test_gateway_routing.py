@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.routing import parse_weights
-from services.config import ConfigError, GatewayConfig, from_arguments
+from services.config import GatewayConfig, from_arguments
+from services.environment import ConfigError
 from services.routing import RoutingWeights
 
 

@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind
 from gateway import create_app, serve
 from observability import Attr, LedgerSnapshot
 from services import transport
-from services.config import StreamNames
+from services.keys import StreamNames
 from services.messages import AbortRequest, OutputBatch, RequestOutput
 from services.redis_server import RedisServer, free_port
 from tests.gateway.fake_ledger import TEXT, Script, request_stream

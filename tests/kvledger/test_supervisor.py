@@ -18,7 +18,7 @@ import pytest
 
 from kvledger.launcher import _child_env, add_parser, redis_url_of
 from kvledger.supervisor import Child, Supervisor, backoff_delay
-from services.config import ConfigError, read_redis_url_file, redact_url, redis_password
+from services.environment import ConfigError, read_redis_url_file, redact_url, redis_password
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvledger.cli import build_parser
-from services.config import ConfigError, WorkerConfig, from_arguments
+from services.config import WorkerConfig, from_arguments
+from services.environment import ConfigError
 
 
 def worker_config(*argv: str) -> WorkerConfig:

@@ -113,7 +113,7 @@ BROKEN = {
     "undeclared environment variable": (
         _set("services.ledger-r0.environment.KVLEDGER_LEDGER_THREADS", "4"),
         "services.ledger-r0.environment: KVLEDGER_LEDGER_THREADS is not declared in "
-        "services.config.ENV_VARS",
+        "services.environment.ENV_VARS",
     ),
     "undeclared interpolated variable": (
         _set("services.gateway.environment.KVLEDGER_API_KEY", "${GATEWAY_KEY}"),

@@ -15,7 +15,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from observability.logging import REDACTED, configure_logging, get_logger
 from observability.tracing import extract_context
-from services.config import ConfigError, LedgerConfig, from_arguments
+from services.config import LedgerConfig, from_arguments
+from services.environment import ConfigError
 
 
 def _lines(stream: io.StringIO) -> list[dict[str, object]]:

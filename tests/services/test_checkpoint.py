@@ -15,7 +15,7 @@ from ledger.core.block_pool import BlockPool
 from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from ledger.core.events import encode_batch as encode
 from services.checkpoint import CheckpointWriter, decode_snapshot, snapshot_counts
-from services.config import StreamNames
+from services.keys import StreamNames
 
 
 def stored(*hashes: int) -> BlockStored:

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from services import wire
-from services.config import StreamNames
+from services.keys import StreamNames
 from services.messages import (
     GenerateRequest,
     LedgerStatus,

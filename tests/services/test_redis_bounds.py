@@ -13,7 +13,7 @@ from ledger.core.block_pool import BlockPool
 from ledger.core.events import BlockStored
 from ledger.service.event_stream import KVEventStream
 from services import transport
-from services.config import OUTPUTS_TTL_S, StreamNames
+from services.keys import OUTPUTS_TTL_S, StreamNames
 from services.messages import GenerateRequest, SamplingParams
 from tests.services.stack import GATEWAY, Stack
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from services import redis_client, registry, transport
-from services.config import StreamNames
+from services.keys import StreamNames
 from services.messages import WorkerHello
 from services.tokenizer import load_tokenizer
 from tests.redis_cluster import RedisClusterServers

@@ -126,7 +126,7 @@ async def test_a_snapshot_over_one_part_is_written_in_parts_and_read_whole(redis
     # renamed over the live one; a subscriber bootstraps every hash with its count.
     from ledger.core.block_pool import BlockPool
     from ledger.service.event_stream import SNAPSHOT_PART_BYTES, KVEventStream
-    from services.config import StreamNames
+    from services.keys import StreamNames
     from services.transport import connect
 
     r = connect(redis_url)
