@@ -168,8 +168,14 @@ class StepResult(Message, tag="result"):
     failed_requests: dict[str, str] | None = None
 
 
-class RequestOutput(Record):
-    """What the ledger tells a gateway about one request after a step (or an abort)."""
+class RequestOutput(Record, omit_defaults=True):
+    """What the ledger tells a gateway about one request after a step (or an abort).
+
+    `omit_defaults`: one goes out per running request per step, mostly with seven of its
+    fields at their defaults; leaving those out makes the batch a third of the bytes and half
+    the encoding time, and any decoder of this declaration fills them back in (same version).
+    `ledger.service.translate.request_output` builds it positionally: keep the field order.
+    """
 
     req_id: str
     new_token_ids: Sequence[int]  # a list once decoded

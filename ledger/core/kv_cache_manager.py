@@ -19,6 +19,7 @@ from ledger.core.hashing import block_extra_keys, to_event_extra_keys
 from ledger.core.request import Request, RequestStatus
 
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(slots=True)
@@ -140,8 +141,26 @@ class KVCacheManager:
             )
         request_id = request.request_id
         held = self.req_to_blocks.get(request_id)
-        num_held = len(held) if held is not None else 0
         block_size, max_model_len = self.block_size, self.max_model_len
+        if (
+            held is not None
+            and request.status is _RUNNING
+            and not new_computed_blocks
+            and not num_new_computed_tokens
+            and not num_lookahead_tokens
+            and not full_sequence_must_fit
+        ):
+            # A running request that stays within the blocks it holds (most decode steps):
+            # no watermark (it is not admitting), no block to take, so it always fits.
+            num_computed = request.num_computed_tokens
+            num_tokens = num_computed + num_new_tokens
+            if num_computed <= max_model_len and num_tokens <= len(held) * block_size:
+                if num_tokens > len(request.all_token_ids):
+                    num_tokens = len(request.all_token_ids)
+                if num_tokens // block_size > self.num_cached_block.get(request_id, 0):
+                    self.cache_blocks(request, num_tokens)
+                return []
+        num_held = len(held) if held is not None else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         if num_computed > max_model_len:
             num_computed = max_model_len

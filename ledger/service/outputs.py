@@ -40,8 +40,12 @@ class GatewayOutputs:
     async def _append(self, updates: list[RequestUpdate[Tracked]]) -> None:
         by_gateway: dict[str, list[RequestOutput]] = {}
         for update in updates:
-            out = request_output(update.request, update.new_token_ids, update.finish_reason)
-            by_gateway.setdefault(update.request.payload.msg.gateway_id, []).append(out)
+            request = update.request
+            out = request_output(request, update.new_token_ids, update.finish_reason)
+            outs = by_gateway.get(gateway_id := request.payload.msg.gateway_id)
+            if outs is None:
+                outs = by_gateway[gateway_id] = []
+            outs.append(out)
         async with self.r.pipeline(transaction=False) as pipe:
             for gateway_id, outs in by_gateway.items():
                 stream = self.streams.outputs(gateway_id)

@@ -148,26 +148,29 @@ def request_output(
     """What a gateway hears about a request: its new tokens (with their logprobs, and the
     prompt's with the first token, when asked) and, at the end, why it ended."""
     tracked = request.payload
-    position = request.num_output_tokens - len(new_token_ids)
+    count = len(new_token_ids)
+    position = len(request.all_token_ids) - request.num_prompt_tokens - count
     logprobs = prompt_logprobs = None
-    if new_token_ids and tracked.msg.sampling.logprobs is not None:
-        count = len(new_token_ids)
+    sampling = tracked.msg.sampling
+    if count and sampling.logprobs is not None:
         logprobs, tracked.logprobs = tracked.logprobs[:count], tracked.logprobs[count:]
-    if new_token_ids and position == 0 and tracked.msg.sampling.prompt_logprobs is not None:
+    if count and position == 0 and sampling.prompt_logprobs is not None:
         prompt_logprobs = [tracked.prompt_logprobs[p] for p in sorted(tracked.prompt_logprobs)]
+    num_cached_tokens = request.num_cached_tokens
+    # Positional: one per request per step, and keywords cost a third of the call.
     return RequestOutput(
-        req_id=request.request_id,
-        new_token_ids=new_token_ids,
-        position=position,
-        finished=finish_reason is not None,
-        finish_reason=finish_reason,
-        stop_token_id=request.stop_reason,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=max(request.num_cached_tokens, 0),
-        num_preemptions=request.num_preemptions,
-        error=error,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
+        request.request_id,
+        new_token_ids,
+        position,
+        finish_reason is not None,
+        finish_reason,
+        request.stop_reason,
+        request.num_prompt_tokens,
+        num_cached_tokens if num_cached_tokens > 0 else 0,
+        request.num_preemptions,
+        error,
+        logprobs,
+        prompt_logprobs,
     )
 
 

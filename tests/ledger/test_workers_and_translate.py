@@ -6,9 +6,15 @@ import math
 
 import pytest
 
-from ledger.service.translate import normalize_sampling, validate_request
+from ledger.core.request import RequestStatus
+from ledger.service.translate import (
+    normalize_sampling,
+    request_from_message,
+    request_output,
+    validate_request,
+)
 from ledger.service.workers import StartupError, membership_changes, plan_pool
-from services.messages import GenerateRequest, SamplingParams, WorkerHello
+from services.messages import GenerateRequest, RequestOutput, SamplingParams, WorkerHello
 
 
 def hello(
@@ -111,3 +117,22 @@ def test_sampling_is_normalized_as_vllm_does(temperature, normalized):
     normalize_sampling(s)
     assert s.temperature == normalized
     assert s.logit_bias == {3: 100.0, 4: -100.0, 5: 2.5}
+
+
+def test_a_request_output_carries_each_field_of_its_request():
+    """request_output builds RequestOutput positionally: every field lands where it belongs."""
+    msg = GenerateRequest(req_id="r", gateway_id="g", prompt_token_ids=[3, 4, 5],
+                          sampling=SamplingParams(max_tokens=8, stop_token_ids=[9]), arrival_time=1.0)  # fmt: skip
+    request = request_from_message(msg, None, None, 16)
+    request.num_cached_tokens, request.num_preemptions = 2, 1
+    request.append_output_token_ids([6, 9])
+    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, 9
+    assert request_output(request, (9,), "stop") == RequestOutput(
+        req_id="r", new_token_ids=(9,), position=1, finished=True, finish_reason="stop",
+        stop_token_id=9, num_prompt_tokens=3, num_cached_tokens=2, num_preemptions=1,
+    )  # fmt: skip
+    request.num_cached_tokens = -1  # never admitted: no hit to report
+    assert request_output(request, (), error="gone") == RequestOutput(
+        req_id="r", new_token_ids=(), position=2, stop_token_id=9, num_prompt_tokens=3,
+        num_preemptions=1, error="gone",
+    )  # fmt: skip

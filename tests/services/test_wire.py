@@ -91,3 +91,22 @@ def test_an_int_is_accepted_where_a_float_is_declared():
     body["new_reqs"][0]["sampling"]["temperature"] = 1
     temperature = decode(msgpack.packb(body), StepMessage).new_reqs[0].sampling.temperature
     assert temperature == 1.0 and type(temperature) is float
+
+
+def test_an_output_leaves_out_its_defaults_and_the_full_form_still_decodes():
+    """RequestOutput is encoded with omit_defaults: a decoding ledger or gateway of a build that
+    wrote every field reads the short form, and this build reads the long one."""
+    out = RequestOutput(req_id="a", new_token_ids=[5], position=3, num_prompt_tokens=7)
+    short = encode(OutputBatch(outputs=[out]))
+    body = msgpack.unpackb(short)
+    assert body["outputs"] == [{"req_id": "a", "new_token_ids": [5], "position": 3,
+                                "num_prompt_tokens": 7}]  # fmt: skip
+    full = {"req_id": "a", "new_token_ids": [5], "position": 3, "finished": False,
+            "finish_reason": None, "stop_token_id": None, "num_prompt_tokens": 7,
+            "num_cached_tokens": 0, "num_preemptions": 0, "error": None, "logprobs": None,
+            "prompt_logprobs": None}  # fmt: skip
+    long = msgpack.packb({"kind": "outputs", "outputs": [full], "v": WIRE_VERSION})
+    assert decode(short, OutputBatch) == decode(long, OutputBatch) == OutputBatch(outputs=[out])
+    ended = RequestOutput(req_id="b", new_token_ids=[], finished=True, finish_reason="stop",
+                          stop_token_id=9)  # fmt: skip
+    assert decode(encode(OutputBatch(outputs=[ended])), OutputBatch).outputs == [ended]
