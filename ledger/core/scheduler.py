@@ -250,6 +250,19 @@ class Scheduler(Generic[P]):
         sampling_req_ids = out.sampling_req_ids
         get_block_ids = self.kv_cache_manager.get_block_ids
         cached_reqs = out.scheduled_cached_reqs
+
+        def advance(request: Request[P], num_scheduled: int) -> None:
+            # Every token is now on the workers; the request samples once its computed tokens
+            # reach its known ones (placeholders included: async tokens still being sampled).
+            num_tokens = len(request.all_token_ids)
+            request.num_tokens_sent = num_tokens
+            num_computed = request.num_computed_tokens + num_scheduled
+            request.num_computed_tokens = num_computed
+            if num_computed >= num_tokens + request.num_output_placeholders:
+                sampling_req_ids.add(request.request_id)
+                if async_scheduling:
+                    request.num_output_placeholders += 1
+
         for request in scheduled_running:
             request_id = request.request_id
             num_tokens = len(request.all_token_ids)
@@ -263,13 +276,7 @@ class Scheduler(Generic[P]):
                     num_computed,
                 )
             )
-            request.num_tokens_sent = num_tokens
-            num_computed += num_scheduled_tokens[request_id]
-            request.num_computed_tokens = num_computed
-            if num_computed >= num_tokens + request.num_output_placeholders:
-                sampling_req_ids.add(request_id)
-                if async_scheduling:
-                    request.num_output_placeholders += 1
+            advance(request, num_scheduled_tokens[request_id])
         for request in scheduled_new:
             request_id = request.request_id
             num_computed = request.num_computed_tokens
@@ -281,14 +288,7 @@ class Scheduler(Generic[P]):
                     num_computed_tokens=num_computed,
                 )
             )
-            num_tokens = len(request.all_token_ids)
-            request.num_tokens_sent = num_tokens
-            num_computed += num_scheduled_tokens[request_id]
-            request.num_computed_tokens = num_computed
-            if num_computed >= num_tokens + request.num_output_placeholders:
-                sampling_req_ids.add(request_id)
-                if async_scheduling:
-                    request.num_output_placeholders += 1
+            advance(request, num_scheduled_tokens[request_id])
         return out
 
     def _pick_victim(self) -> Request[P]:

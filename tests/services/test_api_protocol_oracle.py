@@ -5,14 +5,13 @@ is reported. Skipped without the venv (failed when KVLEDGER_ORACLE_REQUIRED=1)."
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.gateway.helpers import read_sse
-from tests.oracle.conftest import REQUIRED_ENV, oracle_python, run_driver
+from tests.oracle.conftest import require_vllm_python, run_driver
 from tests.services.gateway_stack import gateway_on
 from tests.services.stack import Stack
 
@@ -66,12 +65,7 @@ MODULES = {
 
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    python, reason = oracle_python()
-    if python is None:
-        if os.environ.get(REQUIRED_ENV) == "1":
-            pytest.fail(f"{REQUIRED_ENV}=1 but the oracle cannot run: {reason}")
-        pytest.skip(reason)
-    return python
+    return require_vllm_python()
 
 
 async def test_vllms_protocol_models_parse_every_answer(
