@@ -115,15 +115,16 @@ class PrefixIndex:
             return
         counts = self.counts
         get = counts.get
+        add = ops.append if ops is not None else None
         for event in events:
             kind = type(event)
             if kind is _Stored:
                 _count_elements(counts, event.block_hashes)
-                if ops is not None:
-                    ops.append((STORED, event.block_hashes))
+                if add is not None:
+                    add((STORED, event.block_hashes))
             elif kind is _Removed:
-                if ops is not None:
-                    ops.append((REMOVED, event.block_hashes))
+                if add is not None:
+                    add((REMOVED, event.block_hashes))
                 for h in event.block_hashes:
                     n = get(h)
                     if n is None:
@@ -134,8 +135,8 @@ class PrefixIndex:
                         del counts[h]
             else:
                 counts.clear()
-                if ops is not None:
-                    ops.append((CLEARED, []))
+                if add is not None:
+                    add((CLEARED, []))
 
     def apply_ops(self, logged: LoggedOps) -> None:
         """Replay the operations a checkpoint logged, in their order."""
