@@ -34,6 +34,7 @@ from services.checkpoint import (
     STORED,
     CheckpointWriter,
     LoggedOps,
+    OpLog,
     decode_snapshot,
     snapshot_counts,
 )
@@ -85,7 +86,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}  # event hash -> physical blocks holding it
 
-    def apply(self, batch: KVEventBatch, ops: list | None = None) -> None:
+    def apply(self, batch: KVEventBatch, ops: OpLog | None = None) -> None:
         """Apply one batch; if `ops` is given, append the (kind, hashes) it applied to it."""
         counts = self.counts
         for event in batch.events:
@@ -94,18 +95,18 @@ class PrefixIndex:
                 stored = [h for h in event.block_hashes if isinstance(h, int)]
                 _count_elements(counts, stored)
                 if ops is not None:
-                    ops.append((STORED, stored))
+                    ops.add(STORED, stored)
             elif isinstance(event, BlockRemoved):
                 removed = [h for h in event.block_hashes if isinstance(h, int)]
                 self._remove(removed)
                 if ops is not None:
-                    ops.append((REMOVED, removed))
+                    ops.add(REMOVED, removed)
             elif isinstance(event, AllBlocksCleared):
                 counts.clear()
                 if ops is not None:
-                    ops.append((CLEARED, []))
+                    ops.add(CLEARED, [])
 
-    def apply_bytes(self, data: bytes, ops: list | None = None) -> None:
+    def apply_bytes(self, data: bytes, ops: OpLog | None = None) -> None:
         """Apply one batch as the stream carries it (raises EventDecodeError if it is none);
         if `ops` is given, append the (kind, hashes) it applied to it, for the checkpoint."""
         try:
@@ -115,16 +116,25 @@ class PrefixIndex:
             return
         counts = self.counts
         get = counts.get
-        add = ops.append if ops is not None else None
+        if ops is not None:
+            add_kind, add_length, add_hashes = (
+                ops.kinds.append,
+                ops.lengths.append,
+                ops.hashes.extend,
+            )
         for event in events:
             kind = type(event)
             if kind is _Stored:
                 _count_elements(counts, event.block_hashes)
-                if add is not None:
-                    add((STORED, event.block_hashes))
+                if ops is not None:
+                    add_kind(STORED)
+                    add_length(len(event.block_hashes))
+                    add_hashes(event.block_hashes)
             elif kind is _Removed:
-                if add is not None:
-                    add((REMOVED, event.block_hashes))
+                if ops is not None:
+                    add_kind(REMOVED)
+                    add_length(len(event.block_hashes))
+                    add_hashes(event.block_hashes)
                 for h in event.block_hashes:
                     n = get(h)
                     if n is None:
@@ -135,8 +145,8 @@ class PrefixIndex:
                         del counts[h]
             else:
                 counts.clear()
-                if add is not None:
-                    add((CLEARED, []))
+                if ops is not None:
+                    ops.add(CLEARED, [])
 
     def apply_ops(self, logged: LoggedOps) -> None:
         """Replay the operations a checkpoint logged, in their order."""
@@ -257,7 +267,7 @@ class KVEventSubscriber:
             self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
         )
         applied = 0
-        ops: list | None = [] if self.checkpoint is not None else None
+        ops = OpLog() if self.checkpoint is not None else None
         apply = self.index.apply_bytes
         for entry_id, fields in entries:
             self.last_id = entry_id.decode()

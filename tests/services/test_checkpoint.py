@@ -15,7 +15,7 @@ import ledger.service.event_stream as event_stream
 from ledger.core.block_pool import BlockPool
 from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from ledger.core.events import encode_batch as encode
-from services.checkpoint import CheckpointWriter, decode_snapshot, snapshot_counts
+from services.checkpoint import CheckpointWriter, OpLog, decode_snapshot, snapshot_counts
 from services.keys import StreamNames
 
 
@@ -161,13 +161,20 @@ async def test_a_log_of_whole_batches_from_an_earlier_release_still_replays(redi
     assert resumed.index.counts == counts == fresh
 
 
+def ops_of(*pairs: tuple[int, list[int]]) -> OpLog:
+    ops = OpLog()
+    for kind, hashes in pairs:
+        ops.add(kind, hashes)
+    return ops
+
+
 def test_operation_records_are_a_fraction_of_the_batches_and_a_cut_one_is_ignored(tmp_path):
     writer = CheckpointWriter(tmp_path / "sub.ckpt")
     writer.compact("1-0", {})
-    writer.append_ops("2-0", [(0, [11, 12]), (0, [13])], {})
+    writer.append_ops("2-0", ops_of((0, [11, 12]), (0, [13])), {})
     whole = len(msgpack.packb(["2-0", batch(stored(11, 12), stored(13))]))
     assert writer.log_path.stat().st_size < whole / 5
-    ops = [(0, [11]), (1, [11]), (1, [12]), (2, []), (2, []), (0, [2**64 - 1])]
+    ops = ops_of((0, [11]), (1, [11]), (1, [12]), (2, []), (2, []), (0, [2**64 - 1]))
     writer.append_ops("3-0", ops, {})
     (_, first), (_, logged) = CheckpointWriter(tmp_path / "sub.ckpt").load()[2]
     # Consecutive operations of a kind merge into one run; clears never do.
