@@ -12,7 +12,8 @@ Baselines in the same run, interleaved, GC on: the subscriber of 337664e (before
 pure-Python decoder, the whole index rewritten as JSON after every poll; its checkpointing run is
 cut to `--legacy-polls` polls, its rate being flat) and the subscriber this work had before its
 read path was tuned (msgspec into the full event structs, the Counter updated per event, 256
-entries per XREAD), both kept below.
+entries per XREAD), both kept below; and for the checkpoint, this subscriber as it was before
+its log held index operations (every applied batch logged whole).
 """
 
 from __future__ import annotations
