@@ -12,7 +12,8 @@ Baselines in the same run, interleaved, GC on: the subscriber of 337664e (before
 pure-Python decoder, the whole index rewritten as JSON after every poll; its checkpointing run is
 cut to `--legacy-polls` polls, its rate being flat) and the subscriber this work had before its
 read path was tuned (msgspec into the full event structs, the Counter updated per event, 256
-entries per XREAD), both kept below.
+entries per XREAD), both kept below; and for the checkpoint, this subscriber as it was before
+its log held index operations (every applied batch logged whole).
 """
 
 from __future__ import annotations
@@ -103,6 +104,32 @@ class BeforeTuningSubscriber:
         return len(entries)
 
 
+def whole_batch_log_subscriber() -> type:
+    """This work's subscriber before its checkpoint logged index operations: the same read path,
+    but every applied batch appended to the log whole (so the 1M-entry base is rewritten each
+    time that log outgrows it)."""
+    from services.subscriber import KVEventSubscriber
+
+    class WholeBatchLogSubscriber(KVEventSubscriber):
+        async def poll(self, block_ms: int | None = 1000, count: int = 1024) -> int:
+            from services.transport import read_from
+
+            entries = await read_from(
+                self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
+            )
+            applied = []
+            for entry_id, fields in entries:
+                self.last_id = entry_id.decode()
+                data = fields[b"batch"]
+                self.index.apply_bytes(data)
+                applied.append((self.last_id, data))
+            if applied and self.checkpoint is not None:
+                self.checkpoint.append(applied, self.last_id, self.index.counts)
+            return len(entries)
+
+    return WholeBatchLogSubscriber
+
+
 # ------------------------------------------------------------------------------------ the run
 async def publish(
     r: Any, streams: Any, blobs: list[bytes], target_events: int
@@ -158,11 +185,11 @@ async def run(args: argparse.Namespace) -> dict:
         await r.set(streams.events_snapshot, snapshot)
         expected: Counter[int] = Counter()
 
-        async def now(checkpoint: bool) -> tuple[float, int, dict]:
+        async def now(checkpoint: bool, cls: type = KVEventSubscriber) -> tuple[float, int, dict]:
             path = Path(tmp) / "now.ckpt"
             for p in (path, path.with_name(path.name + ".log")):
                 p.unlink(missing_ok=True)
-            sub = KVEventSubscriber(r, "bench", checkpoint=path if checkpoint else None)
+            sub = cls(r, "bench", checkpoint=path if checkpoint else None)
             if checkpoint:
                 await sub.bootstrap()  # the 1M-entry index, at 0-0
             return await drain(sub), events, sub.index.counts
@@ -192,6 +219,9 @@ async def run(args: argparse.Namespace) -> dict:
             "plain: before tuning (i12)": old(BeforeTuningSubscriber, False),
             "plain: before (337664e)": old(LegacySubscriber, False),
             f"checkpoint, {args.entries:,} entries: kvledger now": lambda: now(True),
+            f"checkpoint, {args.entries:,} entries: whole-batch log (i12)": lambda: now(
+                True, whole_batch_log_subscriber()
+            ),
             f"checkpoint, {args.entries:,} entries: before tuning (i12)": old(
                 BeforeTuningSubscriber, True
             ),

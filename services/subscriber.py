@@ -28,7 +28,16 @@ from ledger.core.events import (
     decode_batch,
 )
 from ledger.core.hashing import BlockHasher, to_event_hash
-from services.checkpoint import CheckpointWriter, decode_snapshot, snapshot_counts
+from services.checkpoint import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    CheckpointWriter,
+    LoggedOps,
+    OpLog,
+    decode_snapshot,
+    snapshot_counts,
+)
 from services.keys import StreamNames
 from services.transport import connect, read_from
 
@@ -77,32 +86,55 @@ class PrefixIndex:
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}  # event hash -> physical blocks holding it
 
-    def apply(self, batch: KVEventBatch) -> None:
+    def apply(self, batch: KVEventBatch, ops: OpLog | None = None) -> None:
+        """Apply one batch; if `ops` is given, append the (kind, hashes) it applied to it."""
         counts = self.counts
         for event in batch.events:
             if isinstance(event, BlockStored):
-                for h in event.block_hashes:
-                    if isinstance(h, int):
-                        counts[h] = counts.get(h, 0) + 1
+                # Only int hashes are ever held, so only they change the index.
+                stored = [h for h in event.block_hashes if isinstance(h, int)]
+                _count_elements(counts, stored)
+                if ops is not None:
+                    ops.add(STORED, stored)
             elif isinstance(event, BlockRemoved):
-                self._remove(event.block_hashes)
+                removed = [h for h in event.block_hashes if isinstance(h, int)]
+                self._remove(removed)
+                if ops is not None:
+                    ops.add(REMOVED, removed)
             elif isinstance(event, AllBlocksCleared):
                 counts.clear()
+                if ops is not None:
+                    ops.add(CLEARED, [])
 
-    def apply_bytes(self, data: bytes) -> None:
-        """Apply one batch as the stream carries it (raises EventDecodeError if it is none)."""
+    def apply_bytes(self, data: bytes, ops: OpLog | None = None) -> None:
+        """Apply one batch as the stream carries it (raises EventDecodeError if it is none);
+        if `ops` is given, append the (kind, hashes) it applied to it, for the checkpoint."""
         try:
             events = _HASHES_DECODER.decode(data).events
         except (msgspec.ValidationError, msgspec.DecodeError):
-            self.apply(decode_batch(data))
+            self.apply(decode_batch(data), ops)
             return
         counts = self.counts
         get = counts.get
+        if ops is not None:
+            add_kind, add_length, add_hashes = (
+                ops.kinds.append,
+                ops.lengths.append,
+                ops.hashes.extend,
+            )
         for event in events:
             kind = type(event)
             if kind is _Stored:
                 _count_elements(counts, event.block_hashes)
+                if ops is not None:
+                    add_kind(STORED)
+                    add_length(len(event.block_hashes))
+                    add_hashes(event.block_hashes)
             elif kind is _Removed:
+                if ops is not None:
+                    add_kind(REMOVED)
+                    add_length(len(event.block_hashes))
+                    add_hashes(event.block_hashes)
                 for h in event.block_hashes:
                     n = get(h)
                     if n is None:
@@ -111,6 +143,19 @@ class PrefixIndex:
                         counts[h] = n - 1
                     else:
                         del counts[h]
+            else:
+                counts.clear()
+                if ops is not None:
+                    ops.add(CLEARED, [])
+
+    def apply_ops(self, logged: LoggedOps) -> None:
+        """Replay the operations a checkpoint logged, in their order."""
+        counts = self.counts
+        for kind, hashes in logged.runs():
+            if kind == STORED:
+                _count_elements(counts, hashes)
+            elif kind == REMOVED:
+                self._remove(hashes)
             else:
                 counts.clear()
 
@@ -204,7 +249,10 @@ class KVEventSubscriber:
         last_id, counts, logged = checkpoint.load()
         self.index.counts = counts
         for entry_id, data in logged:
-            self.index.apply_bytes(data)
+            if isinstance(data, LoggedOps):
+                self.index.apply_ops(data)
+            else:  # a whole batch, as earlier releases logged it
+                self.index.apply_bytes(data)
             last_id = entry_id
         first = await self.r.xrange(self.streams.events, count=1)
         if first and _id_tuple(_text(first[0][0])) > _id_tuple(last_id) and last_id != "0-0":
@@ -218,13 +266,14 @@ class KVEventSubscriber:
         entries = await read_from(
             self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
         )
-        applied: list[tuple[str, bytes]] = []
+        applied = 0
+        ops = OpLog() if self.checkpoint is not None else None
         apply = self.index.apply_bytes
         for entry_id, fields in entries:
             self.last_id = entry_id.decode()
             try:
                 data = fields[b"batch"]
-                apply(data)
+                apply(data, ops)
             except (KeyError, EventDecodeError) as exc:
                 # The stream is the ledger's: a reader cannot dead-letter or fix an entry, only
                 # step over it. The index stays right unless the entry held real events.
@@ -236,10 +285,11 @@ class KVEventSubscriber:
                     "field 'batch' missing" if isinstance(exc, KeyError) else exc,
                 )
                 continue
-            applied.append((self.last_id, data))
-        self.batches_applied += len(applied)
+            applied += 1
+        self.batches_applied += applied
         if applied and self.checkpoint is not None:
-            self.checkpoint.append(applied, self.last_id, self.index.counts)
+            assert ops is not None
+            self.checkpoint.append_ops(self.last_id, ops, self.index.counts)
         return len(entries)
 
     async def follow(self, stop: asyncio.Event) -> None:

@@ -8,13 +8,14 @@ import json
 import uuid
 from collections import Counter
 
+import msgpack
 import redis.asyncio as aioredis
 
 import ledger.service.event_stream as event_stream
 from ledger.core.block_pool import BlockPool
 from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from ledger.core.events import encode_batch as encode
-from services.checkpoint import CheckpointWriter, decode_snapshot, snapshot_counts
+from services.checkpoint import CheckpointWriter, OpLog, decode_snapshot, snapshot_counts
 from services.keys import StreamNames
 
 
@@ -101,3 +102,84 @@ def test_a_json_checkpoint_of_an_earlier_release_still_loads(tmp_path):
     path = tmp_path / "sub.json"
     path.write_text(json.dumps({"last_id": "5-1", "counts": [[7, 2], [8, 1]]}))
     assert CheckpointWriter(path).load() == ("5-1", Counter({7: 2, 8: 1}), [])
+
+
+# Order matters within and across batches: a removal of a hash not held is a no-op, a clear
+# drops what came before it; 2**64 - 1 needs all of uint64 and a negative hash none of it.
+ORDERED_BATCHES = [
+    batch(stored(1, 2, 3), stored(3)),
+    batch(BlockRemoved([9], "GPU"), stored(9), BlockRemoved([3], "GPU")),
+    batch(stored(2**64 - 1), AllBlocksCleared(), stored(4, 5)),
+    batch(BlockRemoved([5, 5], "GPU"), stored(5, 2**64 - 1), stored(6)),
+    batch(stored(-7), BlockRemoved([4], "GPU"), stored(4)),
+    batch(stored(8), BlockRemoved([8, 6], "GPU")),
+]
+
+
+async def _checkpoint_of(redis_url, tmp_path, old_format: bool):
+    """A checkpointing subscriber polled 2 entries at a time over ORDERED_BATCHES; with
+    `old_format`, its log rewritten into whole-batch records as earlier releases wrote them."""
+    from services.subscriber import KVEventSubscriber
+
+    r = aioredis.from_url(redis_url)
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    events = StreamNames(prefix).events
+    ids = [(await r.xadd(events, {"batch": data})).decode() for data in ORDERED_BATCHES]
+    path = tmp_path / "sub.ckpt"
+    sub = KVEventSubscriber(r, prefix, checkpoint=path)
+    await sub.start("start")
+    while await sub.poll(block_ms=None, count=2):
+        pass
+    writer = CheckpointWriter(path)
+    base_id, _, logged = writer.load()
+    assert base_id == ids[1]  # the first poll wrote the base, the other two are logged
+    if old_format:
+        records = [msgpack.packb([i, d]) for i, d in zip(ids[2:], ORDERED_BATCHES[2:], strict=True)]
+        writer.log_path.write_bytes(b"".join(records))
+    resumed = KVEventSubscriber(r, prefix, checkpoint=path)
+    await resumed.start()
+    fresh = KVEventSubscriber(r, prefix)
+    await fresh.start("start")
+    while await fresh.poll(block_ms=None, count=100):
+        pass
+    await r.aclose()
+    return sub.index.counts, resumed, fresh.index.counts, logged, ids
+
+
+async def test_a_log_of_index_operations_replays_to_the_same_index(redis_url, tmp_path):
+    counts, resumed, fresh, logged, ids = await _checkpoint_of(redis_url, tmp_path, False)
+    assert counts == fresh == {4: 1, 5: 1, 2**64 - 1: 1, -7: 1}
+    assert [type(d).__name__ for _, d in logged] == ["LoggedOps", "LoggedOps"]
+    assert [i for i, _ in logged] == [ids[3], ids[5]]
+    assert resumed.bootstraps == 0 and resumed.last_id == ids[5]
+    assert resumed.index.counts == fresh
+
+
+async def test_a_log_of_whole_batches_from_an_earlier_release_still_replays(redis_url, tmp_path):
+    counts, resumed, fresh, _, ids = await _checkpoint_of(redis_url, tmp_path, True)
+    assert resumed.bootstraps == 0 and resumed.last_id == ids[5]
+    assert resumed.index.counts == counts == fresh
+
+
+def ops_of(*pairs: tuple[int, list[int]]) -> OpLog:
+    ops = OpLog()
+    for kind, hashes in pairs:
+        ops.add(kind, hashes)
+    return ops
+
+
+def test_operation_records_are_a_fraction_of_the_batches_and_a_cut_one_is_ignored(tmp_path):
+    writer = CheckpointWriter(tmp_path / "sub.ckpt")
+    writer.compact("1-0", {})
+    writer.append_ops("2-0", ops_of((0, [11, 12]), (0, [13])), {})
+    whole = len(msgpack.packb(["2-0", batch(stored(11, 12), stored(13))]))
+    assert writer.log_path.stat().st_size < whole / 5
+    ops = ops_of((0, [11]), (1, [11]), (1, [12]), (2, []), (2, []), (0, [2**64 - 1]))
+    writer.append_ops("3-0", ops, {})
+    (_, first), (_, logged) = CheckpointWriter(tmp_path / "sub.ckpt").load()[2]
+    # Consecutive operations of a kind merge into one run; clears never do.
+    assert list(first.runs()) == [(0, [11, 12, 13])]
+    assert list(logged.runs()) == [(0, [11]), (1, [11, 12]), (2, []), (2, []), (0, [2**64 - 1])]
+    with open(writer.log_path, "ab") as f:  # a new-format record cut short by a crash
+        f.write(msgpack.packb(["4-0", b"\x00", b"\x01\x00\x00\x00", b"x" * 8])[:-3])
+    assert [i for i, _ in CheckpointWriter(tmp_path / "sub.ckpt").load()[2]] == ["2-0", "3-0"]
