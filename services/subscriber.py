@@ -115,34 +115,16 @@ class PrefixIndex:
             self.apply(decode_batch(data), ops)
             return
         counts = self.counts
-        get = counts.get
-        if ops is not None:
-            add_kind, add_length, add_hashes = (
-                ops.kinds.append,
-                ops.lengths.append,
-                ops.hashes.extend,
-            )
         for event in events:
             kind = type(event)
             if kind is _Stored:
                 _count_elements(counts, event.block_hashes)
                 if ops is not None:
-                    add_kind(STORED)
-                    add_length(len(event.block_hashes))
-                    add_hashes(event.block_hashes)
+                    ops.add(STORED, event.block_hashes)
             elif kind is _Removed:
+                self._remove(event.block_hashes)
                 if ops is not None:
-                    add_kind(REMOVED)
-                    add_length(len(event.block_hashes))
-                    add_hashes(event.block_hashes)
-                for h in event.block_hashes:
-                    n = get(h)
-                    if n is None:
-                        continue
-                    if n > 1:
-                        counts[h] = n - 1
-                    else:
-                        del counts[h]
+                    ops.add(REMOVED, event.block_hashes)
             else:
                 counts.clear()
                 if ops is not None:
