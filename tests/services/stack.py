@@ -96,7 +96,11 @@ class Stack:
         self.tasks.append(asyncio.create_task(self.ledger.run(), name="ledger"))
         for i in range(num_workers):
             await self.start_worker(f"w{i}")
-        self._reader = asyncio.create_task(self._read_outputs(), name="outputs")
+        # XREAD's "$" means "after the newest entry at the time of this call": re-sent on every
+        # poll it would lose whatever arrived between two polls, so the position is concrete.
+        tail = await self.r.xrevrange(self.streams.outputs(GATEWAY), count=1)
+        last = tail[0][0] if tail else b"0-0"
+        self._reader = asyncio.create_task(self._read_outputs(last), name="outputs")
         await asyncio.wait_for(self.ledger.ready.wait(), 30)
         return self
 
@@ -158,8 +162,7 @@ class Stack:
             self.r, self.streams.requests, AbortRequest(req_id=req_id, reason="test")
         )
 
-    async def _read_outputs(self) -> None:
-        last = "$"
+    async def _read_outputs(self, last: bytes) -> None:
         while True:
             for entry_id, fields in await transport.read_from(
                 self.r, self.streams.outputs(GATEWAY), last, block_ms=500
