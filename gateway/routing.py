@@ -12,6 +12,7 @@ tails one outputs stream per replica, all feeding the same per-request queues.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -137,8 +138,9 @@ class GatewayRouting:
 
     # --- the decision ------------------------------------------------------------------------
 
-    def route(self, job: Job) -> str:
-        """The replica that gets this request (503 when every replica is out)."""
+    def route(self, job: Job, req_id: str) -> str:
+        """The replica that gets this request (503 when every replica is out); it counts as
+        pending there until `release`."""
         if self.router is None or self.replica_set is None:
             name = self.names[0]
             self._routed.labels(name, "single").inc()
@@ -155,7 +157,10 @@ class GatewayRouting:
         request = RouteRequest(len(job.prompt_token_ids), hashes, block_size)
         with self.tracer.start_as_current_span(SpanName.ROUTE) as span:
             try:
-                decision = self.router.route(request, replicas.loads(), replicas.healths())
+                decision = self.router.route(
+                    request, replicas.loads(), replicas.healths(), request_id=req_id,
+                    now=time.time(),  # the clock of the ledgers' status updated_at
+                )  # fmt: skip
             except NoReplicaError as exc:
                 log.warning("route_refused", policy=self.policy, error=str(exc))
                 raise ApiError(
@@ -175,6 +180,11 @@ class GatewayRouting:
             lags=replicas.lags(), prompt_tokens=request.num_tokens,
         )  # fmt: skip
         return decision.replica
+
+    def release(self, req_id: str) -> None:
+        """The request ended: its replica's events and status account for it from now on."""
+        if self.router is not None:
+            self.router.release(req_id)
 
     def any_routable(self) -> bool:
         """One replica (nothing followed) or at least one that is not out."""
