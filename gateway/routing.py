@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Tracer
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.fields import ApiError
 from gateway.outputs import OutputDispatcher
@@ -128,6 +128,14 @@ class GatewayRouting:
             ("replica", "policy"),
             registry=registry,
         )
+        pending = Gauge(
+            "kvledger:routing_pending_requests",
+            "Requests this gateway routed that have not ended: counted on their replica until "
+            "its events and status show them.",
+            registry=registry,
+        )
+        router = self.router
+        pending.set_function(lambda: len(router.pending) if router is not None else 0)
 
     @property
     def names(self) -> list[str]:
