@@ -8,10 +8,10 @@ step at least that long after the previous one (the real ledger writes its statu
 second, so a gateway's figures are up to ~1.25 s old). `precise` sees the KV events each replica
 emitted up to the end of its last step, applied to a `ReplicaPrefixIndex` exactly as the
 gateway's subscriber applies them. Every router is told when a request finishes (`release`), as
-the gateway is. The
-`oracle` reads every ledger's prefix cache itself. A router restart replaces the router
-mid-run: `precise` comes back from each ledger's snapshot (what the subscriber's checkpoint and
-stream id give it), `approx` with an empty LRU.
+the gateway is. The `oracle` reads every ledger's prefix cache itself instead of the events (and,
+as precise, counts what it sent and is not finished: a cache holds only what was computed). A
+router restart replaces the router mid-run: `precise` comes back from each ledger's snapshot
+(what the subscriber's checkpoint and stream id give it), `approx` with an empty LRU.
 """
 
 from __future__ import annotations
