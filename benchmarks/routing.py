@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvledger.routing_sim import (
     SIM_POLICIES,
     HashedWorkload,
+    ReplicaConfig,
     RoutingSimulation,
     SimResult,
     StepModel,
@@ -38,6 +39,28 @@ from kvledger.routing_workload import WorkloadConfig, multi_tenant_workload
 from ledger.core.hashing import BlockHasher
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# At 8 replicas, beside the default: the system settings of the real run the step model was
+# fitted on (400 KV blocks per replica; a ledger status written once a second, so the router's
+# load figures are up to a second old and what it sent since counts on top). Same workload.
+REAL_SETTINGS = {
+    "status 1 s": {"status_interval_s": 1.0},
+    "400 blocks": {"num_blocks": 400},
+    "400 blocks, status 1 s": {"num_blocks": 400, "status_interval_s": 1.0},
+}
+
+
+def simulate(
+    work: HashedWorkload, policy: str, replicas: int, args: argparse.Namespace, **setting: float
+) -> SimResult:
+    return RoutingSimulation(
+        work,
+        policy,
+        replicas,
+        replica=ReplicaConfig(num_blocks=int(setting.get("num_blocks", 1600))),
+        steps=args.step_model,
+        status_interval_s=setting.get("status_interval_s", 0.0),
+    ).run()
 
 
 def workload_for(replicas: int, args: argparse.Namespace) -> HashedWorkload:
@@ -48,6 +71,40 @@ def workload_for(replicas: int, args: argparse.Namespace) -> HashedWorkload:
     )
     turns = multi_tenant_workload(config)
     return HashedWorkload(turns, BlockHasher("sha256", seed="kvledger-routing"), 16)
+
+
+def work_bound(work: HashedWorkload, replicas: int, steps: StepModel) -> dict[str, object]:
+    """The most output tokens/s any routing can reach on this trace. Every output token after the
+    first is one decoding sequence in some step, wherever it runs; every distinct block must be
+    prefilled somewhere at least once (block hashes chain, so the least prefill is each prompt
+    less its longest routable prefix seen in an earlier prompt or answer), and the last token
+    always. Spread perfectly over the replicas, that work is the shortest makespan (a step's base
+    time left out, so a bound for any base)."""
+    seen: set = set()
+    least_prefill = decode_seqs = 0
+    for turn, full, routable in zip(work.turns, work.full, work.routable, strict=True):
+        hit = 0
+        for block_hash in full[: len(routable)]:
+            if block_hash not in seen:
+                break
+            hit += 1
+        least_prefill += len(turn.prompt_token_ids) - hit * work.block_size
+        seen.update(full)
+        decode_seqs += turn.max_tokens - 1
+    decode_s = decode_seqs * steps.decode_seq_s / replicas
+    prefill_s = least_prefill * steps.prefill_token_s / replicas
+    outputs = sum(t.max_tokens for t in work.turns)
+    return {
+        "replicas": replicas,
+        "least_prefill_tokens": least_prefill,
+        "best_hit_rate": round(
+            1 - least_prefill / sum(len(t.prompt_token_ids) for t in work.turns), 4
+        ),
+        "decode_s_per_replica": round(decode_s, 1),
+        "least_prefill_s_per_replica": round(prefill_s, 1),
+        "max_throughput_tok_s": round(outputs / (decode_s + prefill_s), 1),
+        "max_throughput_no_prefill_tok_s": round(outputs / decode_s, 1) if decode_s else None,
+    }
 
 
 def restart_rows(work: HashedWorkload, args: argparse.Namespace) -> list[dict[str, object]]:
@@ -222,6 +279,8 @@ def main() -> None:
     parser.add_argument("--step-model-from", default=None,
                         help="a routing-real.json: its fitted step model replaces the three above")  # fmt: skip
     parser.add_argument("--no-restart", action="store_true")
+    parser.add_argument("--no-real-settings", action="store_true",
+                        help="skip the 8-replica rows with the real run's blocks and status age")  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS / "routing"))
     parser.add_argument("--real", action="store_true", help="real processes, not the simulation")
     parser.add_argument("--real-replicas", type=int, default=4)
@@ -247,27 +306,56 @@ def main() -> None:
         args.decode_step_ms / 1000, args.prefill_token_ms / 1000, args.decode_seq_ms / 1000
     )
     results: list[SimResult] = []
+    settings_of: list[str] = []
     restart: list[dict[str, object]] = []
+    bounds: list[dict[str, object]] = []
     for replicas in [int(n) for n in args.replicas.split(",")]:
         work = workload_for(replicas, args)
-        for policy in args.policies.split(","):
-            started = time.perf_counter()
-            result = RoutingSimulation(work, policy, replicas, steps=args.step_model).run()
-            results.append(result)
-            print(f"{policy:>12} x {replicas:>2}: {result.row()}  ({time.perf_counter() - started:.0f} s)",
-                  flush=True)  # fmt: skip
+        bounds.append(work_bound(work, replicas, args.step_model))
+        variants = {"default": {}}
+        if replicas == 8 and not args.no_real_settings:
+            variants.update(REAL_SETTINGS)
+        for label, setting in variants.items():
+            for policy in args.policies.split(","):
+                started = time.perf_counter()
+                result = simulate(work, policy, replicas, args, **setting)
+                results.append(result)
+                settings_of.append(label)
+                print(f"{policy:>12} x {replicas:>2} ({label}): {result.row()}  "
+                      f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
         if replicas == 8 and not args.no_restart:
             restart = restart_rows(work, args)
-    rows = [r.row() for r in results]
+    rows = [{"setting": label, **r.row()} for label, r in zip(settings_of, results, strict=True)]
     for row, result in zip(rows, results, strict=True):
         base = next(
-            r for r in results if r.replicas == result.replicas and r.policy == "round_robin"
+            r
+            for r, other in zip(results, rows, strict=True)
+            if r.replicas == result.replicas
+            and r.policy == "round_robin"
+            and other["setting"] == row["setting"]
         )
         row["prefill_vs_rr"] = round(result.prefill_tokens / base.prefill_tokens, 3)
         row["throughput_vs_rr"] = round(result.throughput_tok_s / base.throughput_tok_s, 3)
-    columns = ["replicas", "policy", "requests", "prefill_tokens", "prefill_vs_rr", "hit_rate",
-               "ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "throughput_vs_rr", "preemptions"]  # fmt: skip
-    text = table(rows, columns)
+    for bound in bounds:
+        base = next(
+            r for r, row in zip(results, rows, strict=True)
+            if r.replicas == bound["replicas"] and r.policy == "round_robin"
+            and row["setting"] == "default"
+        )  # fmt: skip
+        for key in ("max_throughput_tok_s", "max_throughput_no_prefill_tok_s"):
+            value = bound[key]
+            bound[key.replace("_tok_s", "_vs_rr")] = (
+                round(float(value) / base.throughput_tok_s, 3) if value else None  # type: ignore[arg-type]
+            )
+    columns = ["replicas", "setting", "policy", "requests", "prefill_tokens", "prefill_vs_rr",
+               "hit_rate", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "throughput_vs_rr",
+               "preemptions"]  # fmt: skip
+    text = table([r for r in rows if r["setting"] == "default"], columns)
+    if any(r["setting"] != "default" for r in rows):
+        text += "\n\nAt 8 replicas with the real run's system settings (same workload):\n\n"
+        text += table([r for r in rows if r["replicas"] == 8], columns)
+    text += "\n\nWhat any routing could reach (the work bound: decode and the least prefill "
+    text += "spread perfectly; default settings):\n\n" + table(bounds, list(bounds[0]))
     if restart:
         text += "\n\nRouter restart at 8 replicas (next 200 requests vs the same requests, no restart):\n\n"
         text += table(restart, list(restart[0]))
@@ -276,12 +364,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "step_model"}
     out.with_suffix(".json").write_text(
-        json.dumps({"settings": settings, "results": rows, "restart": restart}, indent=2)
+        json.dumps(
+            {"settings": settings, "results": rows, "bounds": bounds, "restart": restart}, indent=2
+        )
     )
     out.with_suffix(".md").write_text(
         f"`.venv/bin/python benchmarks/routing.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
     )
-    plot(results, out.with_suffix(".png"))
+    plot([r for r, label in zip(results, settings_of, strict=True) if label == "default"],
+         out.with_suffix(".png"))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ class Generation:
         self.replica: str | None = None  # routing's choice, on entry
 
     async def __aenter__(self) -> Generation:
-        self.replica = self.gw.routing.route(self.job)  # 503 here when every replica is out
+        # 503 here when every replica is out; pending there until __aexit__ releases it.
+        self.replica = self.gw.routing.route(self.job, self.req_id)
         # Register before enqueueing: the first output may come back before XADD returns.
         self._queue = self.gw.outputs.register(self.req_id)
         if self.gw.closing:  # the shutdown broadcast may have gone out before registration
@@ -130,6 +131,7 @@ class Generation:
         tb: TracebackType | None,
     ) -> None:
         self.gw.outputs.unregister(self.req_id)
+        self.gw.routing.release(self.req_id)
         if not self._enqueued:
             return
         exc = exc or self.ended_by

@@ -12,11 +12,12 @@ tails one outputs stream per replica, all feeding the same per-request queues.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Tracer
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gateway.fields import ApiError
 from gateway.outputs import OutputDispatcher
@@ -127,6 +128,14 @@ class GatewayRouting:
             ("replica", "policy"),
             registry=registry,
         )
+        pending = Gauge(
+            "kvledger:routing_pending_requests",
+            "Requests this gateway routed that have not ended: counted on their replica until "
+            "its events and status show them.",
+            registry=registry,
+        )
+        router = self.router
+        pending.set_function(lambda: len(router.pending) if router is not None else 0)
 
     @property
     def names(self) -> list[str]:
@@ -137,8 +146,9 @@ class GatewayRouting:
 
     # --- the decision ------------------------------------------------------------------------
 
-    def route(self, job: Job) -> str:
-        """The replica that gets this request (503 when every replica is out)."""
+    def route(self, job: Job, req_id: str) -> str:
+        """The replica that gets this request (503 when every replica is out); it counts as
+        pending there until `release`."""
         if self.router is None or self.replica_set is None:
             name = self.names[0]
             self._routed.labels(name, "single").inc()
@@ -155,7 +165,10 @@ class GatewayRouting:
         request = RouteRequest(len(job.prompt_token_ids), hashes, block_size)
         with self.tracer.start_as_current_span(SpanName.ROUTE) as span:
             try:
-                decision = self.router.route(request, replicas.loads(), replicas.healths())
+                decision = self.router.route(
+                    request, replicas.loads(), replicas.healths(), request_id=req_id,
+                    now=time.time(),  # the clock of the ledgers' status updated_at
+                )  # fmt: skip
             except NoReplicaError as exc:
                 log.warning("route_refused", policy=self.policy, error=str(exc))
                 raise ApiError(
@@ -175,6 +188,11 @@ class GatewayRouting:
             lags=replicas.lags(), prompt_tokens=request.num_tokens,
         )  # fmt: skip
         return decision.replica
+
+    def release(self, req_id: str) -> None:
+        """The request ended: its replica's events and status account for it from now on."""
+        if self.router is not None:
+            self.router.release(req_id)
 
     def any_routable(self) -> bool:
         """One replica (nothing followed) or at least one that is not out."""

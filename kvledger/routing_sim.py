@@ -2,12 +2,16 @@
 
 Each replica is a real `KVCacheManager` + `Scheduler` (vLLM 0.33's rules, prefix caching, KV
 events). Time is simulated: a step lasts `StepModel.duration` of what it computed. The router
-sees each replica's load as its ledger publishes it (running, waiting, KV usage) at the moment
-of routing, and, for `precise`, the KV events each replica emitted up to the end of its last
-step, applied to a `ReplicaPrefixIndex` exactly as the gateway's subscriber applies them. The
-`oracle` reads every ledger's prefix cache itself. A router restart replaces the router
-mid-run: `precise` comes back from each ledger's snapshot (what the subscriber's checkpoint and
-stream id give it), `approx` with an empty LRU.
+sees each replica's load as its ledger publishes it (running, waiting, KV usage): current at the
+moment of routing by default, or, with `status_interval_s`, as last published at the end of a
+step at least that long after the previous one (the real ledger writes its status once a
+second, so a gateway's figures are up to ~1.25 s old). `precise` sees the KV events each replica
+emitted up to the end of its last step, applied to a `ReplicaPrefixIndex` exactly as the
+gateway's subscriber applies them. Every router is told when a request finishes (`release`), as
+the gateway is. The `oracle` reads every ledger's prefix cache itself instead of the events (and,
+as precise, counts what it sent and is not finished: a cache holds only what was computed). A
+router restart replaces the router mid-run: `precise` comes back from each ledger's snapshot
+(what the subscriber's checkpoint and stream id give it), `approx` with an empty LRU.
 """
 
 from __future__ import annotations
@@ -162,6 +166,7 @@ class RoutingSimulation:
         weights: RoutingWeights | None = None,
         restart_at: int | None = None,
         restart_window: int = 200,
+        status_interval_s: float = 0.0,
     ) -> None:
         if policy not in SIM_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SIM_POLICIES)}, got {policy!r}")
@@ -178,6 +183,9 @@ class RoutingSimulation:
         self.restart_window = restart_window
         self._routed = 0
         self._window: set[str] = set()
+        self.status_interval_s = status_interval_s
+        self._published: dict[str, ReplicaLoad] = {}
+        self._now = 0.0
 
     def _new_router(self) -> Router:
         names = list(self.replicas)
@@ -229,6 +237,7 @@ class RoutingSimulation:
         first, last = turns[0].arrival_s, 0.0
         while queue:
             now, _, kind, what = heapq.heappop(queue)
+            self._now = now
             if kind == "arrive":
                 i = int(what)
                 turn = turns[i]
@@ -280,9 +289,11 @@ class RoutingSimulation:
                     output_tokens += len(update.new_token_ids)
                     if update.finished:
                         last = now
+                        self.router.release(update.request.request_id)
                         nxt = follow_up.get(index_of[update.request.request_id])
                         if nxt is not None:
                             push(now + turns[nxt].think_s, "arrive", nxt)
+                self._publish(replica, now)
                 events = replica.manager.take_events()
                 if events and self.policy == "precise":
                     self.index.apply(replica.name, KVEventBatch(now, events))
@@ -304,9 +315,27 @@ class RoutingSimulation:
         turn = self.workload.turns[i]
         routable = self.workload.routable[i]
         self._oracle_hashes = self.workload.full[i][: len(routable)]
-        loads = {name: r.load() for name, r in self.replicas.items()}
+        if self.status_interval_s > 0:
+            for replica in self.replicas.values():
+                if not replica.busy:  # an idle ledger's status loop still ticks
+                    self._publish(replica, self._now)
+            loads = {
+                name: self._published.get(name, ReplicaLoad(as_of=0.0)) for name in self.replicas
+            }
+        else:
+            loads = {name: r.load() for name, r in self.replicas.items()}
         request = RouteRequest(len(turn.prompt_token_ids), routable, self.config.block_size)
-        return self.router.route(request, loads).replica
+        return self.router.route(request, loads, request_id=turn.request_id, now=self._now).replica
+
+    def _publish(self, replica: Replica, now: float) -> None:
+        """The ledger's status write: its load as of now, once per interval."""
+        if self.status_interval_s <= 0:
+            return
+        last = self._published.get(replica.name)
+        if last is None or last.as_of is None or now - last.as_of >= self.status_interval_s:
+            load = replica.load()
+            load.as_of = now
+            self._published[replica.name] = load
 
     def _result(
         self,

@@ -160,6 +160,8 @@ class ReplicaSet:
         return {name: self.health(name) for name in self.replicas}
 
     def loads(self) -> dict[str, ReplicaLoad]:
+        """Each ledger's last status, measured at its `updated_at` (up to ~1.25 s old: written
+        once a second, read every status_interval_s)."""
         loads = {}
         for name, state in self.replicas.items():
             status = state.status
@@ -168,6 +170,8 @@ class ReplicaSet:
                 running=status.num_running if status else 0,
                 waiting=status.num_waiting if status else 0,
                 kv_usage=float(usage),
+                # The ledger's wall clock: what a router sent after it is not in these counts.
+                as_of=status.updated_at if status else None,
             )
         return loads
 

@@ -72,3 +72,5 @@ def test_a_repeated_prefix_lands_on_the_replica_that_holds_it():
     assert sum(routed.values()) == 4 and set(routed) <= {"r0", "r1"}
     hits = _samples(metrics, "kvledger:routed_prefix_hit_tokens_total")
     assert sum(hits.values()) >= 2 * 16  # the router expected the repeats' hits
+    # Every request ended, so the router holds none as pending on its replica any more.
+    assert re.search(r"^kvledger:routing_pending_requests 0\.0$", metrics, re.M)

@@ -12,6 +12,7 @@ from ledger.core.scheduler import Scheduler, SchedulerConfig
 from services.routing import (
     HealthLimits,
     NoReplicaError,
+    PendingRequests,
     ReplicaHealth,
     ReplicaLoad,
     ReplicaPrefixIndex,
@@ -156,3 +157,71 @@ def test_bad_settings_are_refused_by_name() -> None:
         Router("round_robin", [])
     with pytest.raises(ValueError, match="0 < stale_after_s <= out_after_s"):
         HealthLimits(stale_after_s=5.0, out_after_s=2.0)
+
+
+def test_a_burst_to_one_hot_prefix_spreads_once_load_sent_since_the_status_outweighs_it() -> None:
+    """Every replica's last status (as_of 0) shows it idle; the router sends a burst sharing a
+    new 768-token system prompt at t=1, before any status or event can show it. Each request it
+    sent after that status is a waiting one the status misses (512): the first copy's replica
+    takes one more (512 < 768 cached), then the next costs more than prefilling elsewhere."""
+    names = ["r0", "r1", "r2", "r3"]
+    index = ReplicaPrefixIndex()  # no event yet: nothing has been prefilled
+    system = list(range(3000, 3000 + 48 * BS))
+    published = {n: ReplicaLoad(as_of=0.0) for n in names}
+    router = Router("precise", names, prefix_source=index.cached_blocks)
+    burst = [
+        router.route(request(system + [k, 1]), published, request_id=f"b{k}", now=1.0)
+        for k in range(8)
+    ]
+    assert [d.replica for d in burst] == ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r3"]
+    second, third = burst[1].score_of("r0"), burst[2].score_of("r0")
+    assert (second.cached_tokens, second.sent_since_status, second.load_cost) == (768, 1, 512)
+    assert (third.cached_tokens, third.sent_since_status, third.load_cost) == (768, 2, 1024)
+    # A status measured after the burst counts those requests itself: nothing is added twice.
+    fresh = {n: ReplicaLoad(waiting=2, as_of=2.0) for n in names}
+    after = router.route(request(system + [99]), fresh, request_id="late", now=2.5)
+    assert all(s.sent_since_status == 0 for s in after.scores)
+    # Loads without a measuring time (current, as the simulation's default): no overlay.
+    current = {n: ReplicaLoad() for n in names}
+    plain = Router("precise", names, prefix_source=index.cached_blocks)
+    assert {plain.route(request(system + [k]), current, now=1.0).replica for k in range(8)} == {
+        "r0"
+    }
+
+
+def test_pending_blocks_count_until_the_request_ends_however_many_are_sent_between() -> None:
+    """The blocks of a request still queued on a replica count as cached there, for precise and
+    the oracle (whose sources see only computed blocks), until it is released: then the events
+    are the truth. Thousands of other requests in between do not push them out (a 4,096-block
+    LRU did, at 64 replicas: precise hit 0.858 against approx's 0.920 in the simulation)."""
+    names = [f"r{i}" for i in range(64)]
+    index = ReplicaPrefixIndex()
+    hot = list(range(50_000, 50_000 + 96 * BS))
+    idle = {n: ReplicaLoad() for n in names}
+    for policy in ("precise", "oracle"):
+        router = Router(policy, names, prefix_source=index.cached_blocks)
+        home = router.route(request(hot + [1]), idle, request_id="hot").replica
+        for k in range(2000):  # 2,000 other prompts of 64 blocks: 128k pending blocks
+            other = list(range(100_000 + k * 2000, 100_000 + k * 2000 + 64 * BS + 1))
+            router.route(request(other), idle, request_id=f"o{k}")
+        follow = router.route(request(hot + [2, 3]), idle, request_id="hot-2")
+        assert follow.replica == home, policy
+        assert follow.score_of(home).cached_tokens == 96 * BS
+        router.release("hot")
+        router.release("hot-2")
+        gone = router.route(request(hot + [4]), idle, request_id="hot-3")
+        assert gone.score_of(home).cached_tokens == 0, policy  # no event says it is cached
+
+
+def test_pending_requests_count_blocks_per_request_and_drop_the_oldest_past_capacity() -> None:
+    pending = PendingRequests(capacity=2)
+    pending.add("a", "r0", [1, 2, 3], at=1.0)
+    pending.add("b", "r0", [1, 2], at=2.0)
+    assert pending.cached_blocks("r0", [1, 2, 3, 4]) == 3
+    assert pending.release("a") and not pending.release("a")
+    assert pending.cached_blocks("r0", [1, 2, 3]) == 2  # b still holds 1 and 2
+    assert pending.sent_since("r0", 1.5) == 1 and pending.sent_since("r0", 2.0) == 0
+    pending.add("c", "r1", [7], at=3.0)
+    pending.add("d", "r1", [8], at=4.0)  # over capacity: b, the oldest, goes
+    assert len(pending) == 2 and pending.cached_blocks("r0", [1]) == 0
+    assert pending.sent_since("r1", 0.0) == 2
