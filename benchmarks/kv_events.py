@@ -8,8 +8,9 @@ over its own structs (in its venv), each in a fresh subprocess of its own driven
 the pure-Python codec kvledger had before (kept below; its decoder lives on as
 `decode_batch_generic`, the fallback for older layouts). Every codec's bytes are checked against
 kvledger's before timing. kvledger's codec is also timed inside this process, whose heap holds
-the whole recorded run: the same calls ran ~25% slower there than in a fresh process, which is
-what the earlier 0.75-0.91x against vLLM's subprocess measured.
+the whole recorded run (the same calls ran ~25% slower there than in a fresh process: what the
+earlier 0.75-0.91x against vLLM's subprocess measured), and in a second fresh process, to show
+how far two processes running the same code differ here.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def side(batches_path: str, codec: str) -> int:
     except ImportError:
         pass
     else:
-        codecs[OURS if codec == "kvledger" else HEAD_TO_HEAD] = (encode_batch, decode_batch)
+        name = {"kvledger": OURS, "kvledger-twin": TWIN}.get(codec, HEAD_TO_HEAD)
+        codecs[name] = (encode_batch, decode_batch)
     blobs = msgspec.msgpack.decode(Path(batches_path).read_bytes(), type=list[bytes])
     structs = {name: [decode(b) for b in blobs] for name, (_, decode) in codecs.items()}
     digests = {name: digest(encode, structs[name]) for name, (encode, _) in codecs.items()}
@@ -189,6 +191,7 @@ class SideCodec:
 
 OURS, VLLM = "kvledger (msgspec)", "vLLM 0.33 (msgspec)"
 HEAD_TO_HEAD = "kvledger, in vLLM's process"
+TWIN = "kvledger (msgspec), a 2nd process"
 
 
 def main(argv: list[str]) -> int:
@@ -233,6 +236,9 @@ def main(argv: list[str]) -> int:
         sides[OURS] = SideCodec(sys.executable, path, "kvledger")
         if args.vllm_venv:
             sides[VLLM] = SideCodec(str(Path(args.vllm_venv) / "bin" / "python"), path, "vllm")
+        # The same codec in one more process: how far two processes differ with nothing else
+        # different (up to ~12% on this machine), the yardstick for the rows across processes.
+        sides[TWIN] = SideCodec(sys.executable, path, "kvledger-twin")
         for codec in sides.values():
             for name, side_digest in codec.digests.items():
                 if side_digest != ours:
@@ -267,7 +273,7 @@ def main(argv: list[str]) -> int:
         rows[name] = row
         print(f"{name:<32} {cells[0]:>26} {cells[1]:>26}")
     base = VLLM if VLLM in rows else "kvledger before (pure Python)"
-    for row in (OURS, HEAD_TO_HEAD):
+    for row in (OURS, TWIN, HEAD_TO_HEAD):
         if row not in rows:
             continue
         for op in ("encode", "decode"):
