@@ -291,11 +291,14 @@ class KVEventSubscriber:
         this one is applied: Redis builds and writes it (on another core) meanwhile, instead of
         the two taking turns."""
         ahead, self._ahead = self._ahead, None
+        entries: list = []
         if ahead is not None and ahead[0] == (self.last_id, count):
             entries = await ahead[1]
-        else:
-            if ahead is not None:  # the position moved (a bootstrap): that page is not next
-                ahead[1].cancel()
+        elif ahead is not None:  # the position moved (a bootstrap): that page is not next
+            ahead[1].cancel()
+        if len(entries) < count:
+            # Not a full page asked for ahead: the stream's end as it was then. Read it now,
+            # so that a short page always means "caught up during this poll" (replicas.py).
             entries = await read_from(
                 self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
             )

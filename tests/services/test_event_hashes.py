@@ -175,3 +175,23 @@ async def test_a_backlog_read_page_ahead_applies_every_entry_once_in_order(
     finally:
         await r.delete(streams.events)
         await r.aclose()
+
+
+async def test_a_short_page_is_read_during_the_poll_that_returns_it(redis_url):
+    # The page asked for ahead held the stream's end as it was then; a poll returning fewer
+    # entries than asked reads again, so what was appended meanwhile is in it (a follower takes
+    # a short page for "caught up now").
+    r = connect(redis_url)
+    streams = StreamNames(f"h{uuid.uuid4().hex[:8]}")
+    try:
+        for i in range(6):
+            await r.xadd(streams.events, {HASHES_FIELD: encode_runs([(STORED, [i])])})
+        sub = KVEventSubscriber(r, streams.prefix)
+        assert await sub.poll(block_ms=None, count=4) == 4
+        assert sub._ahead is not None  # entries 5 and 6, asked for before the 7th was added
+        await r.xadd(streams.events, {HASHES_FIELD: encode_runs([(STORED, [6])])})
+        assert await sub.poll(block_ms=None, count=4) == 3
+        assert sub.index.counts == dict.fromkeys(range(7), 1)
+    finally:
+        await r.delete(streams.events)
+        await r.aclose()
