@@ -4,7 +4,9 @@ It keeps a prefix index (event hash -> how many physical blocks hold it) and ans
 leading tokens of this prompt are cached" by hashing the prompt itself, which needs the ledger's
 hash algorithm and NONE_HASH seed. It checkpoints its index and last stream id to a file, so a
 restarted subscriber resumes where it stopped; if the stream was trimmed past that id (events
-lost), it starts over from the snapshot.
+lost), it starts over from the snapshot. Of each entry it reads the field `hashes` (the ledger's
+runs of block hashes, `services/event_hashes.py`), and vLLM's `batch` only where that is absent
+or does not parse.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The KV-events stream and its snapshot in Redis.
 
 Each batch is one stream entry: field `batch`, vLLM's bytes, and field `hashes`, the same
-batch's block hashes in runs for prefix indexes (`services/event_hashes.py`). The stream keeps a mirror of the
-cached blocks (event hash -> physical blocks) by applying every batch it publishes, so a
-snapshot is the mirror as of one entry id: a subscriber loads it and reads the stream from that
-id on. Periodic snapshots never stall the engine loop: they run as a background task that packs
-the mirror in chunks, yielding between them, while batches published meanwhile go to an overlay
-that is merged back when the snapshot is written.
+batch's block hashes in runs for prefix indexes (`services/event_hashes.py`). The stream keeps a
+mirror of the cached blocks (event hash -> physical blocks) by applying every batch it publishes
+(its runs), so a snapshot is the mirror as of one entry id: a subscriber loads it and reads the
+stream from that id on. Periodic snapshots never stall the engine loop: they run as a background
+task that packs the mirror in chunks, yielding between them, while batches published meanwhile
+go to an overlay that is merged back when the snapshot is written.
 
 The stream is capped by memory, not by a count: entries vary in size (a batch of one removal
 is tens of bytes, a long prefill's stored blocks kilobytes), so the MAXLEN of each XADD is the
