@@ -2,11 +2,15 @@
 
 The batches are what the ledger publishes on a real run: our scheduler and KVCacheManager (events
 on) over the shared-prefix workload in the blog's 100k-token pool, one batch per step. Three
-codecs encode and decode the same batches, interleaved repetitions, GC on as in the service:
-kvledger's (`ledger.core.events`), vLLM's `msgspec.msgpack.Encoder` over its own structs (in its
-venv, a subprocess driven rep by rep), and the pure-Python codec kvledger had before (kept
-below; its decoder lives on as `decode_batch_generic`, the fallback for older layouts). Every
-codec's bytes are checked against kvledger's before timing.
+codecs encode and decode the same batches, interleaved repetitions (each rep in another order),
+GC on as in the service: kvledger's (`ledger.core.events`) and vLLM's `msgspec.msgpack.Encoder`
+over its own structs (in its venv), each in a fresh subprocess of its own driven rep by rep, and
+the pure-Python codec kvledger had before (kept below; its decoder lives on as
+`decode_batch_generic`, the fallback for older layouts). Every codec's bytes are checked against
+kvledger's before timing. kvledger's codec is also timed inside this process, whose heap holds
+the whole recorded run (the same calls ran ~25% slower there than in a fresh process: what the
+earlier 0.75-0.91x against vLLM's subprocess measured), and in a second fresh process, to show
+how far two processes running the same code differ here.
 """
 
 from __future__ import annotations
@@ -124,46 +128,70 @@ def digest(encode: Any, structs: list[Any]) -> str:
     return h.hexdigest()
 
 
-def vllm_side(batches_path: str) -> int:
-    """Inside vLLM's venv: decode the batches into vLLM's structs, then one rep per stdin line."""
+def side(batches_path: str, codec: str) -> int:
+    """In a fresh process: decode the batches into each codec's own structs, then one rep per
+    stdin line. In vLLM's venv kvledger's codec (msgspec alone, on PYTHONPATH) is timed too, the
+    two taking turns to go first: one interpreter, one heap, the same library."""
     import msgspec
-    from vllm.distributed.kv_events import KVEventBatch
 
+    codecs: dict[str, tuple[Any, Any]] = {}
+    if codec == "vllm":
+        from vllm.distributed.kv_events import KVEventBatch
+
+        encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch)
+        codecs[VLLM] = (encoder.encode, decoder.decode)
+    try:
+        from ledger.core.events import decode_batch, encode_batch
+    except ImportError:
+        pass
+    else:
+        name = {"kvledger": OURS, "kvledger-twin": TWIN}.get(codec, HEAD_TO_HEAD)
+        codecs[name] = (encode_batch, decode_batch)
     blobs = msgspec.msgpack.decode(Path(batches_path).read_bytes(), type=list[bytes])
-    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch)
-    structs = [decoder.decode(b) for b in blobs]
-    print(json.dumps({"digest": digest(encoder.encode, structs)}), flush=True)
-    for _ in sys.stdin:
-        print(json.dumps(time_codec(encoder.encode, decoder.decode, structs, blobs)), flush=True)
+    structs = {name: [decode(b) for b in blobs] for name, (_, decode) in codecs.items()}
+    digests = {name: digest(encode, structs[name]) for name, (encode, _) in codecs.items()}
+    print(json.dumps({"digests": digests}), flush=True)
+    names = list(codecs)
+    for i, _ in enumerate(sys.stdin):
+        reps = {}
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            encode, decode = codecs[name]
+            reps[name] = time_codec(encode, decode, structs[name], blobs)
+        print(json.dumps(reps), flush=True)
     return 0
 
 
-class VllmCodec:
-    def __init__(self, venv: str, batches_path: Path) -> None:
+class SideCodec:
+    def __init__(self, python: str, batches_path: Path, codec: str) -> None:
         # -P: benchmarks/ must not shadow vLLM's imports (benchmarks/kernels.py vs `kernels`).
-        command = [str(Path(venv) / "bin" / "python"), "-P", __file__, "--side", batches_path]
+        command = [python, "-P", __file__, "--side", batches_path, "--codec", codec]
         self.proc = subprocess.Popen(
             [str(c) for c in command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-        self.digest = self._read()["digest"]
+        self.digests: dict[str, str] = self._read()["digests"]
 
     def _read(self) -> dict:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            sys.exit("the vLLM side exited (is --vllm-venv vLLM 0.33's venv?)")
+            sys.exit("a codec's subprocess exited (is --vllm-venv vLLM 0.33's venv?)")
         return json.loads(line)
 
     def rep(self) -> dict:
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        return self._read()
+        return self._read()  # {codec: its timings}
 
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait()
+
+
+OURS, VLLM = "kvledger (msgspec)", "vLLM 0.33 (msgspec)"
+HEAD_TO_HEAD = "kvledger, in vLLM's process"
+TWIN = "kvledger (msgspec), a 2nd process"
 
 
 def main(argv: list[str]) -> int:
@@ -173,9 +201,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--vllm-venv", default=os.environ.get("KVLEDGER_VLLM_ORACLE"))
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("--codec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side:
-        return vllm_side(args.side)
+        return side(args.side, args.codec)
 
     import msgspec
 
@@ -188,29 +217,42 @@ def main(argv: list[str]) -> int:
     structs = [decode_batch(b) for b in blobs]
     num_events = sum(len(b.events) for b in structs)
     ours = digest(encode_batch, structs)
+
+    def in_process(name: str, encode: Any, decode: Any) -> Any:
+        return lambda: {name: time_codec(encode, decode, structs, blobs)}
+
     codecs: dict[str, Any] = {
-        "kvledger (msgspec)": lambda: time_codec(encode_batch, decode_batch, structs, blobs),
-        "kvledger before (pure Python)": lambda: time_codec(
-            legacy_encode_batch, decode_batch_generic, structs, blobs
+        "kvledger, this process": in_process("kvledger, this process", encode_batch, decode_batch),
+        "kvledger before (pure Python)": in_process(
+            "kvledger before (pure Python)", legacy_encode_batch, decode_batch_generic
         ),
     }
     if digest(legacy_encode_batch, structs) != ours:
         sys.exit("the old codec's bytes differ from the new one's")
-    vllm = None
+    sides: dict[str, SideCodec] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batches.msgpack"
+        path.write_bytes(msgspec.msgpack.encode(blobs))
+        sides[OURS] = SideCodec(sys.executable, path, "kvledger")
         if args.vllm_venv:
-            path = Path(tmp) / "batches.msgpack"
-            path.write_bytes(msgspec.msgpack.encode(blobs))
-            vllm = VllmCodec(args.vllm_venv, path)
-            if vllm.digest != ours:
-                sys.exit("vLLM's encoder wrote different bytes for the same events")
-            codecs["vLLM 0.33 (msgspec)"] = vllm.rep
-        runs: dict[str, list[dict]] = {name: [] for name in codecs}
-        for _ in range(args.repeats):
-            for name, rep in codecs.items():
-                runs[name].append(rep())
-        if vllm is not None:
-            vllm.close()
+            sides[VLLM] = SideCodec(str(Path(args.vllm_venv) / "bin" / "python"), path, "vllm")
+        # The same codec in one more process: how far two processes differ with nothing else
+        # different (up to ~12% on this machine), the yardstick for the rows across processes.
+        sides[TWIN] = SideCodec(sys.executable, path, "kvledger-twin")
+        for codec in sides.values():
+            for name, side_digest in codec.digests.items():
+                if side_digest != ours:
+                    sys.exit(f"{name} wrote different bytes for the same events")
+            codecs[" + ".join(codec.digests)] = codec.rep
+        runs: dict[str, list[dict]] = {}
+        names = list(codecs)
+        for i in range(args.repeats):
+            # Each rep starts with another codec, so none is always the one after the others.
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                for row, timing in codecs[name]().items():
+                    runs.setdefault(row, []).append(timing)
+        for codec in sides.values():
+            codec.close()
 
     print(
         f"\nKV-event codec: {len(blobs)} batches, {num_events:,} events "
@@ -230,10 +272,17 @@ def main(argv: list[str]) -> int:
             )
         rows[name] = row
         print(f"{name:<32} {cells[0]:>26} {cells[1]:>26}")
-    base = "vLLM 0.33 (msgspec)" if vllm else "kvledger before (pure Python)"
-    for op in ("encode", "decode"):
-        ratio = rows["kvledger (msgspec)"][op]["median"] / rows[base][op]["median"]
-        print(f"  kvledger {op} vs {base}: {ratio:.2f}x")
+    base = VLLM if VLLM in rows else "kvledger before (pure Python)"
+    for row in (OURS, TWIN, HEAD_TO_HEAD):
+        if row not in rows:
+            continue
+        for op in ("encode", "decode"):
+            ratio = rows[row][op]["median"] / rows[base][op]["median"]
+            pairs = [
+                b[f"{op}_s"] / a[f"{op}_s"] for a, b in zip(runs[row], runs[base], strict=True)
+            ]
+            print(f"  {row} {op} vs {base}: {ratio:.2f}x (rep by rep: "
+                  f"{min(pairs):.2f}-{max(pairs):.2f}x, median {statistics.median(pairs):.2f}x)")  # fmt: skip
     if args.json:
         machine = {"python": sys.version.split()[0], "cpus": os.cpu_count()}
         result = {"batches": len(blobs), "events": num_events, "rows": rows, "machine": machine}

@@ -130,6 +130,50 @@ def whole_batch_log_subscriber() -> type:
     return WholeBatchLogSubscriber
 
 
+def batch_field_subscriber(read_ahead: bool) -> type:
+    """This subscriber before the `hashes` field: every entry's vLLM bytes through the
+    hashes-only decoder (which still scans the token_ids it skips); `read_ahead` keeps the
+    XREAD of the next page while the last one is applied, as now (False: as before, one XREAD
+    then its page, in turn)."""
+    from services.checkpoint import OpLog
+    from services.subscriber import KVEventSubscriber
+
+    class BatchFieldSubscriber(KVEventSubscriber):
+        async def poll(self, block_ms: int | None = 1000, count: int = 1024) -> int:
+            from services.transport import read_from
+
+            if read_ahead:
+                entries = await self._read(block_ms, count)
+            else:
+                entries = await read_from(
+                    self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
+                )
+            ops = OpLog() if self.checkpoint is not None else None
+            for entry_id, fields in entries:
+                self.last_id = entry_id.decode()
+                self.index.apply_bytes(fields[b"batch"], ops)
+            if entries and self.checkpoint is not None:
+                assert ops is not None
+                self.checkpoint.append_ops(self.last_id, ops, self.index.counts)
+            return len(entries)
+
+    return BatchFieldSubscriber
+
+
+def hashes_field_without_read_ahead() -> type:
+    """This subscriber reading `hashes`, but one XREAD then its page, in turn."""
+    from services.subscriber import KVEventSubscriber
+    from services.transport import read_from
+
+    class NoReadAhead(KVEventSubscriber):
+        async def _read(self, block_ms: int | None, count: int) -> list:
+            return await read_from(
+                self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
+            )
+
+    return NoReadAhead
+
+
 # ------------------------------------------------------------------------------------ the run
 async def publish(
     r: Any, streams: Any, blobs: list[bytes], target_events: int
@@ -216,9 +260,17 @@ async def run(args: argparse.Namespace) -> dict:
 
         variants = {
             "plain: kvledger now": lambda: now(False),
+            "plain: hashes field, no read-ahead": lambda: now(
+                False, hashes_field_without_read_ahead()
+            ),
+            "plain: batch field, read-ahead": lambda: now(False, batch_field_subscriber(True)),
+            "plain: batch field (before)": lambda: now(False, batch_field_subscriber(False)),
             "plain: before tuning (i12)": old(BeforeTuningSubscriber, False),
             "plain: before (337664e)": old(LegacySubscriber, False),
             f"checkpoint, {args.entries:,} entries: kvledger now": lambda: now(True),
+            f"checkpoint, {args.entries:,} entries: batch field (before)": lambda: now(
+                True, batch_field_subscriber(False)
+            ),
             f"checkpoint, {args.entries:,} entries: whole-batch log (i12)": lambda: now(
                 True, whole_batch_log_subscriber()
             ),
@@ -229,6 +281,9 @@ async def run(args: argparse.Namespace) -> dict:
                 LegacySubscriber, True, args.legacy_polls
             ),
         }
+        if args.only:
+            variants = {k: v for k, v in variants.items() if any(o in k for o in args.only)}
+            variants.setdefault("plain: before (337664e)", old(LegacySubscriber, False))
         finals: dict[str, dict] = {}
         for _ in range(args.repeats):
             for name, go in variants.items():
@@ -257,6 +312,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--legacy-polls", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--only", nargs="*", help="run only the subscribers whose names hold one of these"
+    )
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
     print(f"\nKV events through Redis: {result['events']:,} events in {result['entries']:,} "
@@ -267,6 +325,7 @@ def main(argv: list[str]) -> int:
     for name, rates in result["rates"].items():
         print(f"{name:<58} {statistics.median(rates) / 1e3:>8.0f}k "
               f"({min(rates) / 1e3:.0f}k-{max(rates) / 1e3:.0f}k)")  # fmt: skip
+    print(f"load average (1, 5, 15 min): {os.getloadavg()}")
     if args.json:
         result["machine"] = {"python": sys.version.split()[0], "cpus": os.cpu_count(),
                              "load": os.getloadavg()}  # fmt: skip

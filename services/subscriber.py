@@ -4,7 +4,9 @@ It keeps a prefix index (event hash -> how many physical blocks hold it) and ans
 leading tokens of this prompt are cached" by hashing the prompt itself, which needs the ledger's
 hash algorithm and NONE_HASH seed. It checkpoints its index and last stream id to a file, so a
 restarted subscriber resumes where it stopped; if the stream was trimmed past that id (events
-lost), it starts over from the snapshot.
+lost), it starts over from the snapshot. Of each entry it reads the field `hashes` (the ledger's
+runs of block hashes, `services/event_hashes.py`), and vLLM's `batch` only where that is absent
+or does not parse.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from services.checkpoint import (
     decode_snapshot,
     snapshot_counts,
 )
+from services.event_hashes import HASHES_FIELD, Run, count_into, decode_runs, remove_from
 from services.keys import StreamNames
 from services.transport import connect, read_from
 
@@ -73,14 +76,6 @@ _HashesOnly: Any = msgspec.defstruct(
 )  # fmt: skip
 _HASHES_DECODER = msgspec.msgpack.Decoder(_HashesOnly)
 
-try:  # Counter's own C loop (counts[h] = counts.get(h, 0) + 1), without Counter.update's checks
-    from _collections import _count_elements  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - other Pythons
-
-    def _count_elements(counts: dict[int, int], hashes: list[int]) -> None:
-        for h in hashes:
-            counts[h] = counts.get(h, 0) + 1
-
 
 class PrefixIndex:
     def __init__(self) -> None:
@@ -93,18 +88,32 @@ class PrefixIndex:
             if isinstance(event, BlockStored):
                 # Only int hashes are ever held, so only they change the index.
                 stored = [h for h in event.block_hashes if isinstance(h, int)]
-                _count_elements(counts, stored)
+                count_into(counts, stored)
                 if ops is not None:
                     ops.add(STORED, stored)
             elif isinstance(event, BlockRemoved):
                 removed = [h for h in event.block_hashes if isinstance(h, int)]
-                self._remove(removed)
+                remove_from(counts, removed)
                 if ops is not None:
                     ops.add(REMOVED, removed)
             elif isinstance(event, AllBlocksCleared):
                 counts.clear()
                 if ops is not None:
                     ops.add(CLEARED, [])
+
+    def apply_runs(self, runs: list[Run], ops: OpLog | None = None) -> None:
+        """Apply one entry's `hashes` field (the runs of its batch, `services/event_hashes.py`);
+        if `ops` is given, append the operations to it, for the checkpoint."""
+        counts = self.counts
+        for kind, hashes in runs:
+            if kind == STORED:
+                count_into(counts, hashes)
+            elif kind == REMOVED:
+                remove_from(counts, hashes)
+            else:
+                counts.clear()
+            if ops is not None:
+                ops.add(kind, hashes)
 
     def apply_bytes(self, data: bytes, ops: OpLog | None = None) -> None:
         """Apply one batch as the stream carries it (raises EventDecodeError if it is none);
@@ -118,11 +127,11 @@ class PrefixIndex:
         for event in events:
             kind = type(event)
             if kind is _Stored:
-                _count_elements(counts, event.block_hashes)
+                count_into(counts, event.block_hashes)
                 if ops is not None:
                     ops.add(STORED, event.block_hashes)
             elif kind is _Removed:
-                self._remove(event.block_hashes)
+                remove_from(counts, event.block_hashes)
                 if ops is not None:
                     ops.add(REMOVED, event.block_hashes)
             else:
@@ -135,22 +144,11 @@ class PrefixIndex:
         counts = self.counts
         for kind, hashes in logged.runs():
             if kind == STORED:
-                _count_elements(counts, hashes)
+                count_into(counts, hashes)
             elif kind == REMOVED:
-                self._remove(hashes)
+                remove_from(counts, hashes)
             else:
                 counts.clear()
-
-    def _remove(self, block_hashes: list) -> None:
-        counts = self.counts
-        for h in block_hashes:
-            n = counts.get(h)
-            if n is None:
-                continue
-            if n > 1:
-                counts[h] = n - 1
-            else:
-                del counts[h]
 
     def cached_prefix_tokens(
         self,
@@ -195,6 +193,9 @@ class KVEventSubscriber:
         self.last_id: str = "0-0"
         self.batches_applied = 0
         self.skipped = 0  # entries that were not a KV event batch
+        self.hashes_refused = 0  # entries read from `batch` because `hashes` did not parse
+        # The next page of a backlog, asked for ahead: ((after id, count), its XREAD).
+        self._ahead: tuple[tuple[str, int], asyncio.Future] | None = None
         self.bootstraps = 0
 
     async def start(self, mode: str = "snapshot") -> None:
@@ -245,17 +246,29 @@ class KVEventSubscriber:
 
     async def poll(self, block_ms: int | None = 1000, count: int = 1024) -> int:
         """Apply what arrived after last_id; returns how many batches (entries read)."""
-        entries = await read_from(
-            self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
-        )
+        entries = await self._read(block_ms, count)
         applied = 0
         ops = OpLog() if self.checkpoint is not None else None
-        apply = self.index.apply_bytes
+        index = self.index
         for entry_id, fields in entries:
             self.last_id = entry_id.decode()
+            runs = fields.get(HASHES_FIELD)
+            if runs is not None:
+                try:
+                    index.apply_runs(decode_runs(runs), ops)
+                except msgspec.DecodeError as exc:  # a publisher's bug: `batch` is the record
+                    self.hashes_refused += 1
+                    log.warning(
+                        "kv_event_hashes_refused stream=%s id=%s error=%s",
+                        self.streams.events,
+                        self.last_id,
+                        exc,
+                    )
+                else:
+                    applied += 1
+                    continue
             try:
-                data = fields[b"batch"]
-                apply(data, ops)
+                index.apply_bytes(fields[b"batch"], ops)
             except (KeyError, EventDecodeError) as exc:
                 # The stream is the ledger's: a reader cannot dead-letter or fix an entry, only
                 # step over it. The index stays right unless the entry held real events.
@@ -273,6 +286,34 @@ class KVEventSubscriber:
             assert ops is not None
             self.checkpoint.append_ops(self.last_id, ops, self.index.counts)
         return len(entries)
+
+    async def _read(self, block_ms: int | None, count: int) -> list:
+        """The entries after last_id: the page asked for ahead by the last poll if it is that
+        one, else a new XREAD. A full page means a backlog, so the next page is asked for before
+        this one is applied: Redis builds and writes it (on another core) meanwhile, instead of
+        the two taking turns."""
+        ahead, self._ahead = self._ahead, None
+        entries: list = []
+        if ahead is not None and ahead[0] == (self.last_id, count):
+            entries = await ahead[1]
+        elif ahead is not None:  # the position moved (a bootstrap): that page is not next
+            ahead[1].cancel()
+        if len(entries) < count:
+            # Not a full page asked for ahead: the stream's end as it was then. Read it now,
+            # so that a short page always means "caught up during this poll" (replicas.py).
+            entries = await read_from(
+                self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
+            )
+        if len(entries) == count:
+            after = entries[-1][0].decode()
+            task = asyncio.ensure_future(
+                read_from(self.r, self.streams.events, after, count=count, block_ms=None)
+            )
+            # An abandoned page's error (the connection closed under it) is nobody's to report.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._ahead = ((after, count), task)
+            await asyncio.sleep(0)  # the task sends its XREAD now, before the page is applied
+        return entries
 
     async def follow(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -1,11 +1,12 @@
 """The KV-events stream and its snapshot in Redis.
 
-Each batch is one stream entry (field `batch`, vLLM's bytes). The stream keeps a mirror of the
-cached blocks (event hash -> physical blocks) by applying every batch it publishes, so a
-snapshot is the mirror as of one entry id: a subscriber loads it and reads the stream from that
-id on. Periodic snapshots never stall the engine loop: they run as a background task that packs
-the mirror in chunks, yielding between them, while batches published meanwhile go to an overlay
-that is merged back when the snapshot is written.
+Each batch is one stream entry: field `batch`, vLLM's bytes, and field `hashes`, the same
+batch's block hashes in runs for prefix indexes (`services/event_hashes.py`). The stream keeps a
+mirror of the cached blocks (event hash -> physical blocks) by applying every batch it publishes
+(its runs), so a snapshot is the mirror as of one entry id: a subscriber loads it and reads the
+stream from that id on. Periodic snapshots never stall the engine loop: they run as a background
+task that packs the mirror in chunks, yielding between them, while batches published meanwhile
+go to an overlay that is merged back when the snapshot is written.
 
 The stream is capped by memory, not by a count: entries vary in size (a batch of one removal
 is tens of bytes, a long prefill's stored blocks kilobytes), so the MAXLEN of each XADD is the
@@ -24,20 +25,22 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from ledger.core.block_pool import BlockPool
-from ledger.core.events import (
-    AllBlocksCleared,
-    AnyKVCacheEvent,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    encode_batch,
-)
+from ledger.core.events import AnyKVCacheEvent, KVEventBatch, encode_batch
 from ledger.core.hashing import to_event_hash
-from services.checkpoint import KVSnapshot, encode_snapshot, pack_arrays
+from services.checkpoint import CLEARED, STORED, KVSnapshot, encode_snapshot, pack_arrays
+from services.event_hashes import (
+    HASHES_FIELD,
+    Run,
+    batch_runs,
+    count_into,
+    encode_runs,
+    remove_from,
+)
 from services.keys import StreamNames
 
-# Before the first entry: the size measured under load (a few stored blocks per batch).
-ASSUMED_ENTRY_BYTES = 1900
+# Before the first entry: the size measured under load (a few stored blocks per batch: ~1.9 KB
+# of `batch`, ~0.2 KB of `hashes`).
+ASSUMED_ENTRY_BYTES = 2100
 # Redis' own cost per stream entry (id, field name, listpack bookkeeping), measured with
 # MEMORY USAGE (tests/services/test_redis_bounds.py: ~440 bytes per ~330-byte entry).
 ENTRY_OVERHEAD_BYTES = 110
@@ -94,17 +97,22 @@ class KVEventStream:
         if not events:
             return 0
         batch = encode_batch(KVEventBatch(time.time(), events))
+        runs = batch_runs(events)
+        hashes = encode_runs(runs)
         self.last_id = cast(
             bytes,
             await self.r.xadd(
-                self.streams.events, {b"batch": batch}, maxlen=self.maxlen, approximate=True
+                self.streams.events,
+                {b"batch": batch, HASHES_FIELD: hashes},
+                maxlen=self.maxlen,
+                approximate=True,
             ),
         )
         self.batches += 1
-        self._entry_bytes += len(batch)
+        self._entry_bytes += len(batch) + len(HASHES_FIELD) + len(hashes)
         self.published += len(events)
         if self._synced:
-            self._apply(events)
+            self._apply(runs)
         else:  # the pool already holds these events' effects
             self.sync_from_pool(pool)
         # The interval runs from the start of the last snapshot, so a slow write does not
@@ -128,29 +136,25 @@ class KVEventStream:
         self.counts = counts
         self._synced = True
 
-    def _apply(self, events: list[AnyKVCacheEvent]) -> None:
+    def _apply(self, runs: list[Run]) -> None:
         overlay = self._overlay
         if overlay is None:
             counts = self.counts
-            for event in events:
-                if isinstance(event, BlockStored):
-                    for h in event.block_hashes:
-                        counts[h] = counts.get(h, 0) + 1
-                elif isinstance(event, BlockRemoved):
-                    for h in event.block_hashes:
-                        n = counts.pop(h, 0)
-                        if n > 1:
-                            counts[h] = n - 1
-                elif isinstance(event, AllBlocksCleared):
+            for kind, hashes in runs:
+                if kind == STORED:
+                    count_into(counts, hashes)
+                elif kind == CLEARED:
                     counts.clear()
+                else:
+                    remove_from(counts, hashes)
             return
-        for event in events:
-            if isinstance(event, AllBlocksCleared):
+        for kind, hashes in runs:
+            if kind == CLEARED:
                 overlay.clear()
                 self._cleared = True
                 continue
-            delta = 1 if isinstance(event, BlockStored) else -1
-            for h in event.block_hashes:
+            delta = 1 if kind == STORED else -1
+            for h in hashes:
                 known = overlay.get(h)
                 if known is None:
                     known = 0 if self._cleared else self.counts.get(h, 0)

@@ -93,6 +93,21 @@ def test_msgspec_decoder_and_the_generic_reader_agree():
     assert encode_batch(generic) == VLLM_SCENARIO_BATCH
 
 
+def test_encoded_batches_own_their_bytes_across_calls_and_threads():
+    # encode_batch writes into a buffer it keeps per thread: what it returns must not change
+    # when it encodes again, in this thread (a smaller batch after a larger one) or another.
+    from concurrent.futures import ThreadPoolExecutor
+
+    scenario, cleared = decode_batch(VLLM_SCENARIO_BATCH), decode_batch(VLLM_CLEARED_BATCH)
+    first = encode_batch(scenario)
+    second = encode_batch(cleared)
+    with ThreadPoolExecutor(4) as pool:
+        elsewhere = list(pool.map(encode_batch, [scenario, cleared] * 50))
+    assert first == VLLM_SCENARIO_BATCH and second == VLLM_CLEARED_BATCH
+    assert elsewhere == [VLLM_SCENARIO_BATCH, VLLM_CLEARED_BATCH] * 50
+    assert type(first) is bytes
+
+
 def test_a_whole_number_timestamp_is_written_as_a_float_as_vllm_does():
     cleared: list = [AllBlocksCleared()]
     as_int = encode_batch(KVEventBatch(7, cleared, 3))  # type: ignore[arg-type]

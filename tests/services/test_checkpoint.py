@@ -16,6 +16,7 @@ from ledger.core.block_pool import BlockPool
 from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from ledger.core.events import encode_batch as encode
 from services.checkpoint import CheckpointWriter, OpLog, decode_snapshot, snapshot_counts
+from services.event_hashes import batch_runs
 from services.keys import StreamNames
 
 
@@ -49,8 +50,8 @@ async def test_a_background_snapshot_is_the_state_of_its_entry_while_events_keep
         # What publish() does once its XADD returns (awaiting a real XADD would let the packing
         # finish first): the changes go to the overlay while the mirror is being read.
         assert stream._overlay is not None
-        stream._apply([BlockRemoved([5], "GPU"), stored(6)])
-        stream._apply([BlockRemoved([1], "GPU")])
+        stream._apply(batch_runs([BlockRemoved([5], "GPU"), stored(6)]))
+        stream._apply(batch_runs([BlockRemoved([1], "GPU")]))
         await stream._snapshot_task
         snapshot = decode_snapshot(await r.get(streams.events_snapshot))
         assert snapshot.stream_id == frozen_id.decode()
@@ -59,7 +60,7 @@ async def test_a_background_snapshot_is_the_state_of_its_entry_while_events_keep
 
         stream._snapshot_task = asyncio.create_task(stream._snapshot_in_background("e"))
         await asyncio.sleep(0)
-        stream._apply([AllBlocksCleared(), stored(7), stored(2)])
+        stream._apply(batch_runs([AllBlocksCleared(), stored(7), stored(2)]))
         await stream._snapshot_task
         assert stream.counts == {7: 1, 2: 1}
         assert snapshot_counts(decode_snapshot(await r.get(streams.events_snapshot))) == {

@@ -1,0 +1,197 @@
+"""The `hashes` field beside vLLM's bytes: `batch` stays byte-identical to vLLM 0.33, the runs
+apply exactly what the events do, and a subscriber reads entries with the field, without it
+(older ledgers, other publishers) and with a malformed one."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import msgpack
+import pytest
+
+import ledger.service.event_stream as event_stream
+from ledger.core.block_pool import BlockPool
+from ledger.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from services.checkpoint import CLEARED, REMOVED, STORED, OpLog, pack_ops
+from services.event_hashes import HASHES_FIELD, batch_runs, decode_runs, encode_runs
+from services.keys import StreamNames
+from services.subscriber import KVEventSubscriber, PrefixIndex
+from services.transport import connect
+from tests.ledger.test_events import VLLM_SCENARIO_BATCH
+
+
+def stored(*hashes: int) -> BlockStored:
+    return BlockStored(list(hashes), None, list(range(16 * len(hashes))), 16, None, "GPU", None)
+
+
+def random_events(rng: random.Random, n: int) -> list:
+    # Few distinct hashes, so that stores, removals of held and of unheld hashes and repeats
+    # within one batch all occur.
+    events: list = []
+    for _ in range(n):
+        roll = rng.random()
+        if roll < 0.03:
+            events.append(AllBlocksCleared())
+        elif roll < 0.5:
+            events.append(stored(*rng.choices(range(12), k=rng.randint(1, 4))))
+        else:
+            events.append(BlockRemoved(rng.choices(range(12), k=rng.randint(1, 3)), "GPU"))
+    return events
+
+
+def test_runs_apply_what_the_events_do_in_their_order():
+    rng = random.Random(7)
+    by_events, by_runs = PrefixIndex(), PrefixIndex()
+    for _ in range(400):
+        events = random_events(rng, rng.randint(1, 9))
+        events_ops, runs_ops = OpLog(), OpLog()
+        by_events.apply(KVEventBatch(1.0, events), events_ops)
+        by_runs.apply_runs(decode_runs(encode_runs(batch_runs(events))), runs_ops)
+        assert by_runs.counts == by_events.counts
+        # The checkpoint logs the same operations either way.
+        assert pack_ops(runs_ops) == pack_ops(events_ops)
+
+
+def test_runs_merge_consecutive_events_of_a_kind_and_keep_clears_apart():
+    events = [
+        stored(1, 2),
+        stored(3),
+        BlockRemoved([1], "GPU"),
+        AllBlocksCleared(),
+        AllBlocksCleared(),
+        stored(4),
+        BlockRemoved([4], "GPU"),
+        BlockRemoved([9, 4], "GPU"),
+    ]
+    assert batch_runs(events) == [
+        (STORED, [1, 2, 3]),
+        (REMOVED, [1]),
+        (CLEARED, []),
+        (CLEARED, []),
+        (STORED, [4]),
+        (REMOVED, [4, 9, 4]),
+    ]
+    assert msgpack.unpackb(encode_runs(batch_runs(events))) == [
+        [0, [1, 2, 3]], [1, [1]], [2, []], [2, []], [0, [4]], [1, [4, 9, 4]]
+    ]  # fmt: skip
+
+
+async def test_published_entries_keep_vllms_bytes_and_add_the_runs(redis_url, monkeypatch):
+    r = connect(redis_url)
+    streams = StreamNames(f"h{uuid.uuid4().hex[:8]}")
+    stream = event_stream.KVEventStream(r, streams, max_bytes=10**7, snapshot_interval_s=1e9,
+                                        block_size=16, hash_algo="sha256")  # fmt: skip
+    stream._last_snapshot_start = time.monotonic()  # no snapshot: this test reads entries
+    try:
+        vllm_batch = decode_batch(VLLM_SCENARIO_BATCH)
+        monkeypatch.setattr(event_stream.time, "time", lambda: vllm_batch.ts)
+        for _ in range(2):
+            await stream.publish(vllm_batch.events, BlockPool(4, enable_caching=True), "e")
+        monkeypatch.undo()
+        entries = await r.xrange(streams.events)
+        assert [sorted(fields) for _, fields in entries] == [[b"batch", b"hashes"]] * 2
+        assert [fields[b"batch"] for _, fields in entries] == [VLLM_SCENARIO_BATCH] * 2
+        scenario = decode_batch(VLLM_SCENARIO_BATCH).events
+        assert decode_runs(entries[0][1][b"hashes"]) == batch_runs(scenario)
+        assert [kind for kind, _ in batch_runs(scenario)] == [STORED, REMOVED, STORED]
+        # The memory budget counts the extra field.
+        total = sum(len(f[b"batch"]) + len(HASHES_FIELD) + len(f[b"hashes"]) for _, f in entries)
+        assert stream._entry_bytes == total
+    finally:
+        await r.delete(streams.events, streams.events_snapshot)
+        await r.aclose()
+
+
+async def test_a_subscriber_reads_entries_with_without_and_with_a_malformed_hashes_field(
+    redis_url,
+):
+    r = connect(redis_url)
+    streams = StreamNames(f"h{uuid.uuid4().hex[:8]}")
+    try:
+
+        async def add(events: list, hashes: bytes | None = None, batch: bytes | None = None):
+            fields = {b"batch": batch or encode_batch(KVEventBatch(1.0, events))}
+            if hashes is not None:
+                fields[HASHES_FIELD] = hashes
+            await r.xadd(streams.events, fields)
+
+        await add([stored(1, 2, 3)], encode_runs(batch_runs([stored(1, 2, 3)])))
+        await add([stored(4), BlockRemoved([1], "GPU")])  # an older ledger: `batch` alone
+        await add([stored(5)], b"\xc1")  # `hashes` not msgpack: read from `batch`
+        await add([stored(6)], msgpack.packb([[7, [6]]]))  # kind 7: refused, `batch` read
+        await add([stored(8)], msgpack.packb([[0, [b"x" * 8]]]))  # a hash not an int: same
+        await add([], b"\xc1", batch=b"\xc1")  # nothing parses: skipped
+        await r.xadd(streams.events, {b"other": b"x"})  # no field of ours: skipped
+        await add([BlockRemoved([2], "GPU")], encode_runs([(REMOVED, [2])]), batch=b"\xc1")
+
+        sub = KVEventSubscriber(r, streams.prefix)
+        assert await sub.poll(block_ms=None) == 8
+        assert sub.index.counts == {3: 1, 4: 1, 5: 1, 6: 1, 8: 1}
+        assert sub.hashes_refused == 4  # three malformed fields and the one of the bad entry
+        assert sub.skipped == 2
+        assert sub.batches_applied == 6
+    finally:
+        await r.delete(streams.events)
+        await r.aclose()
+
+
+@pytest.mark.parametrize("count", [1, 3, 4])
+async def test_a_backlog_read_page_ahead_applies_every_entry_once_in_order(
+    redis_url, tmp_path, count
+):
+    # 10 entries in pages of `count`: every full page asks for the next before it is applied.
+    r = connect(redis_url)
+    streams = StreamNames(f"h{uuid.uuid4().hex[:8]}")
+    rng = random.Random(count)
+    expected = PrefixIndex()
+    try:
+        for _ in range(10):
+            events = random_events(rng, 4)
+            expected.apply(KVEventBatch(1.0, events))
+            await r.xadd(
+                streams.events,
+                {b"batch": encode_batch(KVEventBatch(1.0, events)),
+                 HASHES_FIELD: encode_runs(batch_runs(events))},
+            )  # fmt: skip
+        sub = KVEventSubscriber(r, streams.prefix, checkpoint=tmp_path / "sub.ckpt")
+        await sub.start("start")
+        pages = []
+        while got := await sub.poll(block_ms=None, count=count):
+            pages.append(got)
+        assert sum(pages) == 10 and sub._ahead is None
+        assert sub.index.counts == expected.counts
+        resumed = KVEventSubscriber(r, streams.prefix, checkpoint=tmp_path / "sub.ckpt")
+        await resumed.start("start")
+        assert resumed.last_id == sub.last_id and resumed.index.counts == expected.counts
+    finally:
+        await r.delete(streams.events)
+        await r.aclose()
+
+
+async def test_a_short_page_is_read_during_the_poll_that_returns_it(redis_url):
+    # The page asked for ahead held the stream's end as it was then; a poll returning fewer
+    # entries than asked reads again, so what was appended meanwhile is in it (a follower takes
+    # a short page for "caught up now").
+    r = connect(redis_url)
+    streams = StreamNames(f"h{uuid.uuid4().hex[:8]}")
+    try:
+        for i in range(6):
+            await r.xadd(streams.events, {HASHES_FIELD: encode_runs([(STORED, [i])])})
+        sub = KVEventSubscriber(r, streams.prefix)
+        assert await sub.poll(block_ms=None, count=4) == 4
+        assert sub._ahead is not None  # entries 5 and 6, asked for before the 7th was added
+        await r.xadd(streams.events, {HASHES_FIELD: encode_runs([(STORED, [6])])})
+        assert await sub.poll(block_ms=None, count=4) == 3
+        assert sub.index.counts == dict.fromkeys(range(7), 1)
+    finally:
+        await r.delete(streams.events)
+        await r.aclose()
