@@ -3,7 +3,10 @@
 The real ledger core of each replica (KVCacheManager + Scheduler) runs in one process under a
 step-time model (kvledger/routing_sim.py); the router is services/routing.py, the same code the
 gateway uses. For 8, 16 and 64 replicas and round_robin, least_loaded, approx, precise and the
-oracle: prefill tokens computed, prefix hit rate, TTFT p50/p99 and output throughput. Then the
+oracle: prefill tokens computed, prefix hit rate, TTFT p50/p99 and output throughput, both over
+the makespan (first arrival to last finish: the trace's head and tail included) and over the
+saturated window (the longest stretch with every replica busy: `saturated_window` in
+kvledger/routing_sim.py; `saturated_from_s`/`saturated_s` say where and how long). Then the
 router restart at 8 replicas: the hit rate of the 200 requests routed after a mid-run restart,
 against the same 200 requests in the run without a restart.
 
@@ -12,6 +15,8 @@ wall clock), so one run per cell is the figure: repetitions would give identical
 
     .venv/bin/python benchmarks/routing.py            # writes benchmarks/results/routing.{json,md,png}
     .venv/bin/python benchmarks/routing.py --replicas 8 --policies round_robin,precise
+    .venv/bin/python benchmarks/routing.py --replicas 8 --rate-per-replica 1000 --no-restart \
+        --no-real-settings --out benchmarks/results/routing-h100  # H100-class constants
     .venv/bin/python benchmarks/routing.py --real     # 4 real replicas: results/routing-real.*
 """
 
@@ -336,6 +341,11 @@ def main() -> None:
         )
         row["prefill_vs_rr"] = round(result.prefill_tokens / base.prefill_tokens, 3)
         row["throughput_vs_rr"] = round(result.throughput_tok_s / base.throughput_tok_s, 3)
+        row["saturated_vs_rr"] = (
+            round(result.saturated_tok_s / base.saturated_tok_s, 3)
+            if base.saturated_tok_s
+            else None
+        )
     for bound in bounds:
         base = next(
             r for r, row in zip(results, rows, strict=True)
@@ -349,7 +359,8 @@ def main() -> None:
             )
     columns = ["replicas", "setting", "policy", "requests", "prefill_tokens", "prefill_vs_rr",
                "hit_rate", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "throughput_vs_rr",
-               "preemptions"]  # fmt: skip
+               "makespan_s", "saturated_from_s", "saturated_s", "saturated_tok_s",
+               "saturated_vs_rr", "preemptions"]  # fmt: skip
     text = table([r for r in rows if r["setting"] == "default"], columns)
     if any(r["setting"] != "default" for r in rows):
         text += "\n\nAt 8 replicas with the real run's system settings (same workload):\n\n"

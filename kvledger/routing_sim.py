@@ -64,6 +64,78 @@ class ReplicaConfig:
     max_num_batched_tokens: int = 2048
 
 
+@dataclass(frozen=True, slots=True)
+class StepSpan:
+    """One step of one replica: when it ran and how many output tokens it returned."""
+
+    replica: str
+    start_s: float
+    end_s: float
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaturatedWindow:
+    start_s: float
+    end_s: float
+    output_tokens: float  # prorated: a step straddling an edge counts for its share inside
+
+    @property
+    def length_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.output_tokens / self.length_s if self.length_s > 0 else 0.0
+
+
+def saturated_window(replicas: Sequence[str], steps: Sequence[StepSpan]) -> SaturatedWindow | None:
+    """The longest stretch in which every replica had a step running, and the output tokens
+    produced in it: the trace's capacity figure, free of its head and its tail.
+
+    Throughput over the makespan counts the ramp-up (replicas waiting for their first requests)
+    and the tail (the last conversations' turns, one after another with think times between,
+    while most replicas sit idle): a bound of the trace, not of the replicas. A replica is busy
+    from the start of a step to its end; a replica with unfinished requests steps back to back,
+    so its busy time is the union of its steps and it is idle exactly when it has no request. The
+    window opens when the last replica becomes busy and closes as soon as any replica goes idle
+    (it ran out of work while others still had theirs: from then on the routing's balance and the
+    trace's tail, not capacity, decide); of several such stretches the longest counts. Busy is
+    not full: a replica stepping one sequence is busy, so the figure is a capacity only where the
+    arrival rate keeps requests waiting at every replica through the window (see TTFT).
+    A step's output tokens come back at its end; spread evenly over the step, the part of a step
+    inside the window counts for its share, so the figure does not jump with where an edge cuts.
+    None if the replicas were never all busy at once."""
+    busy: dict[str, list[list[float]]] = {name: [] for name in replicas}
+    for step in sorted(steps, key=lambda s: (s.replica, s.start_s)):
+        spans = busy[step.replica]
+        if spans and step.start_s <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], step.end_s)
+        else:
+            spans.append([step.start_s, step.end_s])
+    # Sweep: at equal times an end comes before a start, so a hand-over is not a window.
+    edges = sorted(
+        (t, delta) for spans in busy.values() for a, b in spans for t, delta in ((a, 1), (b, -1))
+    )
+    stretches: list[tuple[float, float]] = []
+    count, opened = 0, 0.0
+    for at, delta in edges:
+        count += delta
+        if delta == 1 and count == len(busy):
+            opened = at
+        elif delta == -1 and count == len(busy) - 1 and at > opened:
+            stretches.append((opened, at))
+    if not stretches:
+        return None
+    start, end = max(stretches, key=lambda s: s[1] - s[0])
+    tokens = 0.0
+    for step in steps:
+        inside = min(step.end_s, end) - max(step.start_s, start)
+        if step.output_tokens and inside > 0:
+            tokens += step.output_tokens * inside / (step.end_s - step.start_s)
+    return SaturatedWindow(start, end, tokens)
+
+
 @dataclass(slots=True)
 class SimResult:
     policy: str
@@ -77,6 +149,7 @@ class SimResult:
     ttft_p50_s: float
     ttft_p99_s: float
     preemptions: int
+    saturated: SaturatedWindow | None = None
     restart_window_hit_rate: float | None = None
     restart_window: list[str] = field(default_factory=list, repr=False)
     hit_by_request: dict[str, float] = field(default_factory=dict, repr=False)
@@ -89,7 +162,12 @@ class SimResult:
     def throughput_tok_s(self) -> float:
         return self.output_tokens / self.makespan_s if self.makespan_s else 0.0
 
+    @property
+    def saturated_tok_s(self) -> float:
+        return self.saturated.throughput_tok_s if self.saturated else 0.0
+
     def row(self) -> dict[str, object]:
+        window = self.saturated
         return {
             "policy": self.policy,
             "replicas": self.replicas,
@@ -99,6 +177,10 @@ class SimResult:
             "ttft_p50_s": round(self.ttft_p50_s, 4),
             "ttft_p99_s": round(self.ttft_p99_s, 4),
             "throughput_tok_s": round(self.throughput_tok_s, 1),
+            "makespan_s": round(self.makespan_s, 2),
+            "saturated_from_s": round(window.start_s, 2) if window else None,
+            "saturated_s": round(window.length_s, 2) if window else 0.0,
+            "saturated_tok_s": round(self.saturated_tok_s, 1),
             "preemptions": self.preemptions,
             "restart_window_hit_rate": self.restart_window_hit_rate,
         }
@@ -233,6 +315,8 @@ class RoutingSimulation:
         ttft: dict[str, float] = {}
         hits: dict[str, int] = {}
         pending: dict[str, SchedulerOutput[Turn]] = {}
+        started: dict[str, float] = {}
+        spans: list[StepSpan] = []
         prefill_tokens = output_tokens = 0
         first, last = turns[0].arrival_s, 0.0
         while queue:
@@ -274,6 +358,7 @@ class RoutingSimulation:
                 prefill_tokens += prefill
                 done_at = now + self.steps.duration(prefill, decode)
                 pending[replica.name] = out
+                started[replica.name] = now
                 push(done_at, "done", replica.name)
             else:  # a step finished: tokens back, events out
                 replica = self.replicas[str(what)]
@@ -285,14 +370,17 @@ class RoutingSimulation:
                     sampled[request_id] = request.payload.output_token_ids[
                         request.num_output_tokens
                     ]
+                returned = 0
                 for update in replica.scheduler.update_from_output(out, sampled):
-                    output_tokens += len(update.new_token_ids)
+                    returned += len(update.new_token_ids)
                     if update.finished:
                         last = now
                         self.router.release(update.request.request_id)
                         nxt = follow_up.get(index_of[update.request.request_id])
                         if nxt is not None:
                             push(now + turns[nxt].think_s, "arrive", nxt)
+                output_tokens += returned
+                spans.append(StepSpan(replica.name, started.pop(replica.name), now, returned))
                 self._publish(replica, now)
                 events = replica.manager.take_events()
                 if events and self.policy == "precise":
@@ -301,7 +389,14 @@ class RoutingSimulation:
                     push(now, "step", replica.name)
                 else:
                     replica.busy = False
-        return self._result(turns, ttft, hits, prefill_tokens, output_tokens, last - first)
+        result = self._result(turns, ttft, hits, prefill_tokens, output_tokens, last - first)
+        result.saturated = saturated_window(list(self.replicas), spans)
+        if result.saturated is not None:  # on the trace's clock, as the makespan
+            window = result.saturated
+            result.saturated = SaturatedWindow(
+                window.start_s - first, window.end_s - first, window.output_tokens
+            )
+        return result
 
     def _route(self, i: int) -> str:
         if self.restart_at is not None and self._routed == self.restart_at:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.routing_sim import HashedWorkload, RoutingSimulation
+from kvledger.routing_sim import HashedWorkload, RoutingSimulation, StepSpan, saturated_window
 from kvledger.routing_workload import WorkloadConfig, multi_tenant_workload
 from ledger.core.hashing import BlockHasher
 
@@ -79,3 +79,32 @@ def test_precise_keeps_up_with_approx_and_the_oracle_with_current_or_published_l
     assert run["precise"].hit_rate >= 0.99 * run["oracle"].hit_rate
     assert run["precise"].prefill_tokens < 0.6 * run["round_robin"].prefill_tokens
     assert all(r.output_tokens == sum(t.max_tokens for t in work.turns) for r in run.values())
+
+
+def test_the_saturated_window_is_the_longest_stretch_with_every_replica_busy() -> None:
+    steps = [
+        StepSpan("r0", 0.0, 1.0, 2),  # half inside the window: 1 token
+        StepSpan("r0", 1.0, 3.0, 4),
+        StepSpan("r0", 3.0, 4.0, 1),  # half inside: 0.5
+        StepSpan("r1", 0.5, 2.0, 0),  # a prefill step: busy, no output
+        StepSpan("r1", 2.0, 3.5, 3),  # r1 idle at 3.5: the window closes
+        StepSpan("r1", 5.0, 8.0, 6),
+        StepSpan("r0", 6.0, 7.0, 3),  # both busy again, 1 s: shorter than the first stretch
+        StepSpan("r0", 8.0, 9.0, 5),  # r1 idle at 8, r0 busy from 8: a hand-over, no window
+        StepSpan("r1", 9.0, 12.0, 9),
+    ]
+    window = saturated_window(["r0", "r1"], steps)
+    assert window is not None
+    assert (window.start_s, window.end_s) == (0.5, 3.5)
+    assert window.output_tokens == pytest.approx(1 + 4 + 0.5 + 3)
+    assert window.throughput_tok_s == pytest.approx(8.5 / 3)
+    # A replica that never steps: never all busy.
+    assert saturated_window(["r0", "r1", "r2"], steps) is None
+
+
+def test_each_run_reports_a_saturated_window_inside_its_makespan(results: dict) -> None:
+    for result in results.values():
+        window = result.saturated
+        assert window is not None
+        assert 0 <= window.start_s < window.end_s <= result.makespan_s
+        assert 0 < window.output_tokens < result.output_tokens
