@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +101,10 @@ class PrefixIndex:
                 if ops is not None:
                     ops.add(CLEARED, [])
 
-    def apply_runs(self, runs: list[Run], ops: OpLog | None = None) -> None:
-        """Apply one entry's `hashes` field (the runs of its batch, `services/event_hashes.py`);
-        if `ops` is given, append the operations to it, for the checkpoint."""
+    def apply_runs(self, runs: Iterable[Run], ops: OpLog | None = None) -> None:
+        """Apply runs of (kind, hashes) in order: one entry's `hashes` field (the runs of its
+        batch, `services/event_hashes.py`) or the operations a checkpoint logged; if `ops` is
+        given, append the operations to it, for the checkpoint."""
         counts = self.counts
         for kind, hashes in runs:
             if kind == STORED:
@@ -141,14 +142,7 @@ class PrefixIndex:
 
     def apply_ops(self, logged: LoggedOps) -> None:
         """Replay the operations a checkpoint logged, in their order."""
-        counts = self.counts
-        for kind, hashes in logged.runs():
-            if kind == STORED:
-                count_into(counts, hashes)
-            elif kind == REMOVED:
-                remove_from(counts, hashes)
-            else:
-                counts.clear()
+        self.apply_runs(logged.runs())
 
     def cached_prefix_tokens(
         self,
