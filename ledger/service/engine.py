@@ -281,11 +281,14 @@ class LedgerService:
                 if not out.is_empty:
                     step = build_step_message(out, self.epoch, self.cfg.block_size)
                     step.leader_token = self.leadership.token
-                    await (
-                        self.leadership.ensure()
-                    )  # a leader paused past its lease and deposed stops here
-                    await transport.append(
-                        self.r, self.streams.steps(self.cfg.group), step, maxlen=10_000
+                    # A leader paused past its lease and deposed stops here: renewed first if
+                    # its deadline passed, and fenced in Redis by the write itself.
+                    await self.leadership.ensure()
+                    await self.leadership.append_fenced(
+                        self.streams.steps(self.cfg.group),
+                        transport.FIELD,
+                        encode(step),
+                        maxlen=10_000,
                     )
                     in_flight.append((out, time.monotonic()))
                 # While the workers compute: spans, KV events, the last tokens, metrics.

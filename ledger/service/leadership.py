@@ -22,6 +22,7 @@ import os
 import socket
 import time
 import uuid
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -50,6 +51,15 @@ if holder == false then
     return 2
 end
 return 0
+"""
+# A step goes on the stream only while no later leader has drawn a token: the check and the XADD
+# are one script, so a leader paused between its lease check and its write (SIGSTOP, a long GC)
+# cannot append a step once a successor holds the workers. Returns nil when fenced off.
+_FENCED_XADD = """
+if tonumber(redis.call('GET', KEYS[2]) or '0') > tonumber(ARGV[1]) then
+    return false
+end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -128,6 +138,19 @@ class Leadership:
                 announced = time.monotonic()
             await asyncio.sleep(self.ttl_ms / 3000)
         raise asyncio.CancelledError
+
+    async def append_fenced(self, stream: str, field: bytes, value: bytes, maxlen: int) -> bytes:
+        """XADD to a stream of this replica (same hash tag as the token key) unless a later
+        leader drew a token; LeadershipLost then. The lease check before a write can pass just
+        before the process is paused; this check cannot, being the write itself."""
+        entry_id = await self.r.eval(
+            _FENCED_XADD, 2, stream, self.token_key, self.token, maxlen, field, value
+        )
+        if entry_id is None:
+            self._lost = True
+            log.error("leadership_lost", holder=self.holder, fence=self.token, key=self.key)
+            raise LeadershipLost(f"a later leader than fence {self.token} holds {self.key}")
+        return cast(bytes, entry_id)
 
     async def renew_forever(self) -> None:
         """Extend the lease every third of its TTL; raise LeadershipLost once another holds it."""
