@@ -18,7 +18,7 @@ from typing import Literal, cast
 import msgspec
 
 from ledger.core.events import AllBlocksCleared, AnyKVCacheEvent, BlockRemoved, BlockStored
-from services.checkpoint import CLEARED, REMOVED, STORED
+from services.checkpoint import CLEARED, REMOVED, STORED, OpLog
 
 HASHES_FIELD = b"hashes"
 
@@ -44,6 +44,20 @@ def remove_from(counts: dict[int, int], hashes: list[int]) -> None:
         n = counts.pop(h, 0)
         if n > 1:
             counts[h] = n - 1
+
+
+def apply_runs(counts: dict[int, int], runs: Iterable[Run], ops: OpLog | None = None) -> None:
+    """Apply runs in order to an index of hash -> blocks holding it (a subscriber's, the ledger's
+    snapshot mirror); if `ops` is given, append each run to it, for a checkpoint."""
+    for kind, hashes in runs:
+        if kind == STORED:
+            count_into(counts, hashes)
+        elif kind == REMOVED:
+            remove_from(counts, hashes)
+        else:
+            counts.clear()
+        if ops is not None:
+            ops.add(kind, hashes)
 
 
 def batch_runs(events: list[AnyKVCacheEvent]) -> list[Run]:

@@ -40,7 +40,14 @@ from services.checkpoint import (
     decode_snapshot,
     snapshot_counts,
 )
-from services.event_hashes import HASHES_FIELD, Run, count_into, decode_runs, remove_from
+from services.event_hashes import (
+    HASHES_FIELD,
+    Run,
+    apply_runs,
+    count_into,
+    decode_runs,
+    remove_from,
+)
 from services.keys import StreamNames
 from services.transport import connect, read_from
 
@@ -105,16 +112,7 @@ class PrefixIndex:
         """Apply runs of (kind, hashes) in order: one entry's `hashes` field (the runs of its
         batch, `services/event_hashes.py`) or the operations a checkpoint logged; if `ops` is
         given, append the operations to it, for the checkpoint."""
-        counts = self.counts
-        for kind, hashes in runs:
-            if kind == STORED:
-                count_into(counts, hashes)
-            elif kind == REMOVED:
-                remove_from(counts, hashes)
-            else:
-                counts.clear()
-            if ops is not None:
-                ops.add(kind, hashes)
+        apply_runs(self.counts, runs, ops)
 
     def apply_bytes(self, data: bytes, ops: OpLog | None = None) -> None:
         """Apply one batch as the stream carries it (raises EventDecodeError if it is none);

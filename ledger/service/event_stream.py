@@ -31,10 +31,9 @@ from services.checkpoint import CLEARED, STORED, KVSnapshot, encode_snapshot, pa
 from services.event_hashes import (
     HASHES_FIELD,
     Run,
+    apply_runs,
     batch_runs,
-    count_into,
     encode_runs,
-    remove_from,
 )
 from services.keys import StreamNames
 
@@ -139,14 +138,7 @@ class KVEventStream:
     def _apply(self, runs: list[Run]) -> None:
         overlay = self._overlay
         if overlay is None:
-            counts = self.counts
-            for kind, hashes in runs:
-                if kind == STORED:
-                    count_into(counts, hashes)
-                elif kind == CLEARED:
-                    counts.clear()
-                else:
-                    remove_from(counts, hashes)
+            apply_runs(self.counts, runs)
             return
         for kind, hashes in runs:
             if kind == CLEARED:

@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from typing import cast
+from typing import NoReturn, cast
 
 import redis.asyncio as aioredis
 
@@ -147,9 +147,7 @@ class Leadership:
             _FENCED_XADD, 2, stream, self.token_key, self.token, maxlen, field, value
         )
         if entry_id is None:
-            self._lost = True
-            log.error("leadership_lost", holder=self.holder, fence=self.token, key=self.key)
-            raise LeadershipLost(f"a later leader than fence {self.token} holds {self.key}")
+            self._lose(f"a later leader than fence {self.token} holds {self.key}")
         return cast(bytes, entry_id)
 
     async def renew_forever(self) -> None:
@@ -170,12 +168,16 @@ class Leadership:
             _RENEW, 2, self.key, self.token_key, self.holder, self.ttl_ms, self.token
         )
         if not renewed:
-            self._lost = True
-            log.error("leadership_lost", holder=self.holder, fence=self.token, key=self.key)
-            raise LeadershipLost(f"the ledger lease {self.key} went to another ledger")
+            self._lose(f"the ledger lease {self.key} went to another ledger")
         if renewed == 2:
             log.warning("lease_retaken", holder=self.holder, fence=self.token, key=self.key)
         self._valid_until = started + self.ttl_ms / 1000
+
+    def _lose(self, reason: str) -> NoReturn:
+        """A successor holds the replica: this ledger never steps again."""
+        self._lost = True
+        log.error("leadership_lost", holder=self.holder, fence=self.token, key=self.key)
+        raise LeadershipLost(reason)
 
     async def release(self) -> None:
         """Give the lease back at a clean stop, so a standby takes over without waiting."""
