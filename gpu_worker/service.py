@@ -1,7 +1,10 @@
 """The worker service: registers its capacity, then executes every step the ledger appends.
 
-The model runs in a thread so that the heartbeat keeps beating during a long step; the ledger
-takes a vanished heartbeat (or a new `started_at`) as a lost worker and recomputes its requests.
+A step computes on the event loop's own thread: the read of the next step and the reply to the
+last are already written to Redis when it starts, so their round trips pass while it computes,
+and no compute thread contends with the loop for the GIL. The heartbeat beats from a thread of its
+own (`registry.Heartbeat`), so a long step still does not read as a lost worker; the ledger takes
+a vanished heartbeat (or a new `started_at`) as a lost worker and recomputes its requests.
 Each worker reads the group's step stream through a consumer group of its own (fan-out), made
 afresh at start-up: a restarted worker must not replay steps that refer to state it lost.
 """
@@ -13,6 +16,8 @@ import contextlib
 import os
 import socket
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import torch
@@ -28,6 +33,7 @@ from services.startup import freeze_after_startup
 from services.wire import WireError, encode, kind_of
 
 log = get_logger("kvledger.worker")
+T = TypeVar("T")
 
 
 def default_worker_id() -> str:
@@ -38,7 +44,12 @@ class WorkerService:
     def __init__(
         self, config: WorkerConfig, r: aioredis.Redis, runner: ModelRunner, tracer=None
     ) -> None:
+        if not config.redis_url:
+            raise ValueError(
+                "WorkerConfig.redis_url is required: the heartbeat has a connection of its own"
+            )
         self.cfg = config
+        self.redis_url = config.redis_url
         self.r = r
         self.runner = runner
         self.tracer = tracer
@@ -86,13 +97,14 @@ class WorkerService:
             model=self.hello.model_name,
             profile=self.hello.detail,
         )
-        heartbeat = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        heartbeat = registry.Heartbeat(
+            self.redis_url, self.cfg.streams, self.hello, self.cfg.ttl_s, self.cfg.heartbeat_s
+        )
+        heartbeat.start()
         try:
             await self._loop()
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            await asyncio.to_thread(heartbeat.stop)
             with contextlib.suppress(aioredis.RedisError):
                 await registry.unregister(self.r, self.cfg.streams, self.hello)
 
@@ -103,14 +115,6 @@ class WorkerService:
         # Fencing survives a worker restart: steps of leaders older than the current one stay dropped.
         self.leader_token = int(await self.r.get(self.cfg.streams.leader_token) or 0)
         await registry.register(self.r, self.cfg.streams, self.hello, self.cfg.ttl_s)
-
-    async def _heartbeat(self) -> None:
-        while True:
-            try:
-                await registry.register(self.r, self.cfg.streams, self.hello, self.cfg.ttl_s)
-            except aioredis.RedisError as exc:
-                log.warning("heartbeat_failed", error=str(exc))
-            await asyncio.sleep(self.cfg.heartbeat_s)
 
     async def _loop(self) -> None:
         reconnect = transport.Reconnect("worker")
@@ -128,41 +132,65 @@ class WorkerService:
 
     async def _steps(self) -> None:
         entries: list[transport.Entry] = []
-        while True:
-            if not entries:
-                entries = await self.reader.read(count=4, block_ms=1000)
-                continue
-            entry = entries.pop(0)
-            try:
-                msg = transport.decode_entry(entry)
-                if not isinstance(msg, StepMessage | WorkerShutdown):
-                    raise WireError(
-                        f"field 'kind': {kind_of(msg)!r} does not belong on a step stream"
-                    )
-            except WireError as exc:
-                await transport.dead_letter(self.r, self.cfg.streams.dead_letters, entry, str(exc))
-                await self.reader.ack([entry])
-                continue
-            if isinstance(msg, WorkerShutdown):
-                log.info("worker_shutdown", reason=msg.reason)
-                await self.reader.ack([entry])
-                return
-            if msg.leader_token < self.leader_token:
-                # A deposed ledger (paused past its lease) still stepping: its step would reset
-                # the state the new leader built. No result: that ledger must not progress.
-                log.warning("stale_leader_step", step_id=msg.step_id, fence=msg.leader_token,
-                            highest_fence=self.leader_token)  # fmt: skip
-                await self.reader.ack([entry])
-                continue
-            self.leader_token = msg.leader_token
-            result = await self._execute(msg)
-            entries.extend(await self._reply(entry, result, read_next=not entries))
+        # While a step computes, the read of the next one and the reply to the last are already
+        # written to Redis: their answers wait in the socket, and with the ledger a step ahead
+        # the next step is here when this one ends (no round trip between two steps).
+        ahead: asyncio.Task[list[transport.Entry]] | None = None
+        reply: asyncio.Task[None] | None = None
+        try:
+            while True:
+                if not entries:
+                    entries = await (ahead or self.reader.read(count=4, block_ms=1000))
+                    ahead = None
+                    continue
+                entry = entries.pop(0)
+                msg = await self._admit(entry)
+                if msg is None:
+                    continue
+                if isinstance(msg, WorkerShutdown):
+                    log.info("worker_shutdown", reason=msg.reason)
+                    if reply is not None:
+                        await reply  # the last result reaches the ledger before this worker goes
+                    await self.reader.ack([entry])
+                    return
+                if not entries and ahead is None:
+                    ahead = await _started(self.reader.read(count=4, block_ms=1000))
+                result = await self._execute(msg)
+                if reply is not None:
+                    await reply  # answered while the step computed; raises if it failed
+                reply = await _started(self._reply(entry, result))
+        finally:
+            # Leaving on an error or a cancel: what is still in flight is dropped (a step whose
+            # result is lost is re-run by the ledger in a new epoch), its outcome retrieved.
+            for task in (ahead, reply):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, aioredis.RedisError, OSError):
+                        await task
 
-    async def _reply(
-        self, entry: transport.Entry, result: StepResult, read_next: bool
-    ) -> list[transport.Entry]:
-        """The result, the ack and (without blocking) the next step in one round trip: with the
-        ledger a step ahead, the next step is usually waiting already."""
+    async def _admit(self, entry: transport.Entry) -> StepMessage | WorkerShutdown | None:
+        """The entry's step, or None when it is not one to run (dead-lettered or stale; acked)."""
+        try:
+            msg = transport.decode_entry(entry)
+            if not isinstance(msg, StepMessage | WorkerShutdown):
+                raise WireError(f"field 'kind': {kind_of(msg)!r} does not belong on a step stream")
+        except WireError as exc:
+            await transport.dead_letter(self.r, self.cfg.streams.dead_letters, entry, str(exc))
+            await self.reader.ack([entry])
+            return None
+        if isinstance(msg, StepMessage) and msg.leader_token < self.leader_token:
+            # A deposed ledger (paused past its lease) still stepping: its step would reset
+            # the state the new leader built. No result: that ledger must not progress.
+            log.warning("stale_leader_step", step_id=msg.step_id, fence=msg.leader_token,
+                        highest_fence=self.leader_token)  # fmt: skip
+            await self.reader.ack([entry])
+            return None
+        if isinstance(msg, StepMessage):
+            self.leader_token = msg.leader_token
+        return msg
+
+    async def _reply(self, entry: transport.Entry, result: StepResult) -> None:
+        """The result and the ack in one round trip."""
         async with self.r.pipeline(transaction=False) as pipe:
             pipe.xadd(
                 self.cfg.streams.results,
@@ -171,19 +199,7 @@ class WorkerService:
                 approximate=True,
             )
             pipe.xack(self.steps_stream, self.reader.group, entry.entry_id)
-            if read_next:
-                pipe.xreadgroup(
-                    self.reader.group, self.reader.consumer, {self.steps_stream: ">"}, count=4
-                )
-            replies = await pipe.execute()
-        if not read_next:
-            return []
-        return [
-            transport.Entry(stream, entry_id, fields)
-            for stream, items in transport.normalize_reply(replies[-1])
-            for entry_id, fields in items
-            if fields is not None
-        ]
+            await pipe.execute()
 
     async def _execute(self, step: StepMessage) -> StepResult:
         started = time.perf_counter()
@@ -195,7 +211,7 @@ class WorkerService:
             unformed = await self.tp_group.ensure(step.epoch)
             if unformed is not None:
                 raise StepError(unformed)
-            output = await asyncio.to_thread(self.runner.run_step, step)
+            output = self.runner.run_step(step)
         except RequestsFailed as exc:
             error, failed = (
                 f"step {step.step_id} failed on {len(exc.errors)} request(s)",
@@ -263,3 +279,12 @@ def configure_torch_threads(device: torch.device) -> None:
     # steps two orders of magnitude slower; bigger machines get a quarter of their cores.
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 4))
+
+
+async def _started(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """`coro` as a task, run up to its first wait: a Redis command has been written by then
+    (taking a pooled connection and sending do not wait), so its round trip runs while the
+    caller computes. Were it not yet written, it would go out at the next wait: slower, not wrong."""
+    task = asyncio.create_task(coro)
+    await asyncio.sleep(0)
+    return task

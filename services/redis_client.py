@@ -63,12 +63,12 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     return cast(aioredis.Redis, client)
 
 
-def connect_sync(url: str) -> redis.Redis:
-    """A blocking client, for the launcher's start-up checks."""
+def connect_sync(url: str, **kwargs: Any) -> redis.Redis:
+    """A blocking client, for the launcher's start-up checks and the worker's heartbeat thread."""
     if not is_cluster_url(url):
-        return redis.Redis.from_url(url)
+        return redis.Redis.from_url(url, **kwargs)
     plain, seeds = _cluster_seeds(url)
     client = SyncRedisCluster.from_url(
-        plain, startup_nodes=[SyncClusterNode(host, port) for host, port in seeds]
+        plain, startup_nodes=[SyncClusterNode(host, port) for host, port in seeds], **kwargs
     )
     return cast(redis.Redis, client)
