@@ -81,6 +81,10 @@ class WorkerService:
             tp_size=runner.model.tp.size,
         )
         self.steps_done = 0
+        self.last_run: tuple[str, int] = ("", -1)  # (epoch, step_id) of the last step run
+        # Results run but not known to have reached Redis (at most the last two): sent again
+        # after a reconnect, in order.
+        self.unconfirmed: list[tuple[transport.Entry, StepResult]] = []
         self.leader_token = 0  # the highest ledger fencing token seen on a step
         self.tp_group = GroupFormer(config, r, runner.model.tp, runner.device)
 
@@ -120,15 +124,23 @@ class WorkerService:
         reconnect = transport.Reconnect("worker")
         while True:
             try:
+                for entry, result in list(self.unconfirmed):
+                    # It may not have arrived: sent again (the ledger files results by step and
+                    # worker, so a second copy changes nothing).
+                    await self._reply(entry, result)
                 await self._steps()
                 return
             except (aioredis.RedisError, OSError) as exc:
-                # A step whose result was lost is re-run by the ledger in a new epoch.
                 if transport.is_nogroup(exc):
-                    await self.reader.ensure_groups("0")  # Redis came back without its data
+                    # Redis came back without the group: made again from the stream's start,
+                    # it hands out the steps already run again (each is only acked).
+                    await self.reader.ensure_groups("0")
                     continue
                 await reconnect.failed(exc)
                 await reconnect.until_up(self.r)
+                # A step delivered on the broken connection whose reply never came is pending
+                # for this consumer: read those again first.
+                self.reader.reread_pending()
 
     async def _steps(self) -> None:
         entries: list[transport.Entry] = []
@@ -156,6 +168,8 @@ class WorkerService:
                 if not entries and ahead is None:
                     ahead = await _started(self.reader.read(count=4, block_ms=1000))
                 result = await self._execute(msg)
+                self.last_run = (msg.epoch, msg.step_id)
+                self.unconfirmed.append((entry, result))
                 if reply is not None:
                     await reply  # answered while the step computed; raises if it failed
                 reply = await _started(self._reply(entry, result))
@@ -186,11 +200,17 @@ class WorkerService:
             await self.reader.ack([entry])
             return None
         if isinstance(msg, StepMessage):
+            epoch, step_id = self.last_run
+            if msg.epoch == epoch and msg.step_id <= step_id:
+                # Handed out again (pending entries after a reconnect, a group made anew): the
+                # worker's state already holds its tokens, so it runs once.
+                await self.reader.ack([entry])
+                return None
             self.leader_token = msg.leader_token
         return msg
 
     async def _reply(self, entry: transport.Entry, result: StepResult) -> None:
-        """The result and the ack in one round trip."""
+        """The result and the ack in one round trip; confirmed once Redis answered."""
         async with self.r.pipeline(transaction=False) as pipe:
             pipe.xadd(
                 self.cfg.streams.results,
@@ -200,6 +220,7 @@ class WorkerService:
             )
             pipe.xack(self.steps_stream, self.reader.group, entry.entry_id)
             await pipe.execute()
+        self.unconfirmed = [u for u in self.unconfirmed if u[0] is not entry]
 
     async def _execute(self, step: StepMessage) -> StepResult:
         started = time.perf_counter()

@@ -233,6 +233,11 @@ class GroupReader:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
+    def reread_pending(self) -> None:
+        """The next reads hand out this consumer's pending entries again first: after a broken
+        connection an entry may have been delivered (and kept pending) while its reply was lost."""
+        self._pending_cursor = {s: "0" for s in self.streams}
+
     async def read(self, count: int = 128, block_ms: int | None = 1000) -> list[Entry]:
         try:
             return await self._read_pending_then_new(count, block_ms)

@@ -77,7 +77,7 @@ class LedgerService:
             self.streams.results,
             lambda: self.epoch,
             self._dead_letter,
-            self._count_outage,
+            self._results_outage,
             leader_token=lambda: self.leadership.token,
         )
         self.quarantine = Quarantine(config.max_request_failures)
@@ -250,6 +250,14 @@ class LedgerService:
     def _count_outage(self, loop: str) -> None:
         if self.metrics is not None:
             self.metrics.record_redis_outage(loop)
+
+    def _results_outage(self, loop: str) -> None:
+        """The results reader lost Redis: a step or a result in flight may be lost with it (a
+        restarted Redis, even one that kept its data, dropped the replies on the wire). The
+        engine stops waiting and recomputes in a new epoch once Redis answers, rather than
+        waiting out step_timeout_s for a result that may never come."""
+        self._count_outage(loop)
+        self.membership_changed = True
 
     async def _step_loop(self) -> None:
         """Schedule, dispatch, apply. With async scheduling two steps are in flight: the ledger

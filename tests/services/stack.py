@@ -83,6 +83,7 @@ class Stack:
         self.ledger: LedgerService | None = None
         self.tasks: list[asyncio.Task] = []
         self.workers: dict[str, asyncio.Task] = {}
+        self.worker_services: dict[str, WorkerService] = {}
         self.results: dict[str, Result] = {}
         self._reader: asyncio.Task | None = None
         self.runner_factory = ModelRunner  # a test may plant a faulty runner (fault injection)
@@ -104,8 +105,8 @@ class Stack:
         await asyncio.wait_for(self.ledger.ready.wait(), 30)
         return self
 
-    def _client(self):
-        client = transport.connect(self.url)
+    def _client(self, name: str | None = None):
+        client = transport.connect(self.url, client_name=name)
         self.clients.append(client)
         return client
 
@@ -132,8 +133,10 @@ class Stack:
             heartbeat_s=0.3,
             ttl_s=2.0,
         )
-        service = WorkerService(cfg, self._client(), runner)
+        # Named, so that a test can cut this worker's connections alone (CLIENT KILL).
+        service = WorkerService(cfg, self._client(f"{self.prefix}-worker-{worker_id}"), runner)
         self.workers[worker_id] = asyncio.create_task(service.run(), name=f"worker-{worker_id}")
+        self.worker_services[worker_id] = service
         return service
 
     async def kill_worker(self, worker_id: str) -> None:

@@ -4,6 +4,7 @@ own, so a step longer than the registration's TTL does not read as a lost worker
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -89,6 +90,69 @@ async def test_the_worker_runs_a_long_stream_of_steps_in_order(redis_url, tiny_m
         worker = next(iter(stack.workers))
         pending = await stack.r.xpending(stack.streams.steps("default"), f"worker:{worker}")
         assert pending["pending"] == 0  # every step acked
+        assert stack.ledger.manager.num_free_blocks == 127
+    finally:
+        await stack.stop()
+
+
+async def kill_connections(r, name: str) -> int:
+    """CLIENT KILL every connection of the client called `name`; returns how many."""
+    killed = 0
+    for client in await r.client_list():
+        if client.get("name") == name:
+            killed += await r.execute_command("CLIENT", "KILL", "ID", client["id"])
+    return killed
+
+
+async def test_cut_connections_lose_no_step_and_no_result(redis_url, tiny_model):
+    """The worker's connections cut again and again while steps run (the ledger's stay up, so
+    nothing but the worker can notice): a step delivered whose reply the cut dropped is read
+    again from this consumer's pending entries, a result that may not have arrived is sent again,
+    and a step already run is not run twice. Every request gets the dense model's tokens."""
+    stack = await Stack(redis_url, tiny_model, num_blocks=128, step_timeout_s=300).start()
+    generation = stack.ledger.generation
+    name = f"{stack.prefix}-worker-w0"
+    try:
+        batch = prompts(8, 24, seed=5)
+        for i, prompt in enumerate(batch):
+            await stack.submit(f"r{i}", prompt, 24)
+        cuts = 0
+        for _ in range(25):
+            await asyncio.sleep(0.03)
+            cuts += await kill_connections(stack.r, name)
+        results = await stack.wait([f"r{i}" for i in range(8)], timeout=60)
+        assert cuts >= 12
+        for i, prompt in enumerate(batch):
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 24), f"r{i}"
+        # Recovered by the worker alone: the ledger never started over, nothing was recomputed.
+        assert stack.ledger.generation == generation
+        assert stack.ledger.scheduler.num_preemptions == 0
+        assert stack.ledger.manager.num_free_blocks == 127
+    finally:
+        await stack.stop()
+
+
+async def test_a_group_made_anew_hands_out_steps_already_run_and_none_runs_twice(
+    redis_url, tiny_model
+):
+    """The worker's consumer group vanishes mid-run (Redis came back without it): the worker
+    makes it again from the stream's start, which hands out every step since then again; those
+    it ran are acked and skipped, not run a second time."""
+    stack = await Stack(redis_url, tiny_model, num_blocks=128).start()
+    try:
+        batch = prompts(6, 24, seed=8)
+        for i, prompt in enumerate(batch):
+            await stack.submit(f"r{i}", prompt, 20)
+        steps = stack.streams.steps("default")
+        while await stack.r.xlen(steps) < 8:
+            await asyncio.sleep(0.01)
+        assert await stack.r.xgroup_destroy(steps, "worker:w0") == 1
+        results = await stack.wait([f"r{i}" for i in range(6)], timeout=60)
+        for i, prompt in enumerate(batch):
+            assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 20), f"r{i}"
+        # Each step ran exactly once although the stream's first steps were handed out twice.
+        assert stack.worker_services["w0"].steps_done == await stack.r.xlen(steps)
+        assert stack.ledger.scheduler.num_preemptions == 0
         assert stack.ledger.manager.num_free_blocks == 127
     finally:
         await stack.stop()
