@@ -174,8 +174,9 @@ class WorkerService:
                     await reply  # answered while the step computed; raises if it failed
                 reply = await _started(self._reply(entry, result))
         finally:
-            # Leaving on an error or a cancel: what is still in flight is dropped (a step whose
-            # result is lost is re-run by the ledger in a new epoch), its outcome retrieved.
+            # Leaving on an error or a cancel: what is still in flight is dropped here, its
+            # outcome retrieved; after a reconnect `_loop` sends the unconfirmed results again
+            # and the reader hands out the steps delivered but never seen.
             for task in (ahead, reply):
                 if task is not None:
                     task.cancel()
