@@ -165,8 +165,16 @@ class SideCodec:
     def __init__(self, python: str, batches_path: Path, codec: str) -> None:
         # -P: benchmarks/ must not shadow vLLM's imports (benchmarks/kernels.py vs `kernels`).
         command = [python, "-P", __file__, "--side", batches_path, "--codec", codec]
+        # The project on PYTHONPATH: in vLLM's venv that is what times kvledger's codec head to
+        # head with vLLM's in one process (msgspec is all it needs there).
+        root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [str(c) for c in command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [str(c) for c in command],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=path),
         )
         self.digests: dict[str, str] = self._read()["digests"]
 
