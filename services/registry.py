@@ -20,12 +20,15 @@ from services.messages import WorkerHello
 from services.redis_client import connect_sync
 
 
+def _registration(streams: StreamNames, hello: WorkerHello) -> tuple[str, bytes]:
+    """The key and the value a worker keeps alive."""
+    return streams.worker(hello.group, hello.worker_id), wire.encode(hello)
+
+
 async def register(
     r: aioredis.Redis, streams: StreamNames, hello: WorkerHello, ttl_s: float
 ) -> None:
-    await r.set(
-        streams.worker(hello.group, hello.worker_id), wire.encode(hello), px=int(ttl_s * 1000)
-    )
+    await r.set(*_registration(streams, hello), px=int(ttl_s * 1000))
 
 
 class Heartbeat:
@@ -61,8 +64,7 @@ class Heartbeat:
         client = connect_sync(
             self.url, socket_timeout=self.ttl_s, socket_connect_timeout=self.ttl_s
         )
-        key = self.streams.worker(self.hello.group, self.hello.worker_id)
-        value = wire.encode(self.hello)
+        key, value = _registration(self.streams, self.hello)
         try:
             while not self._stop.wait(self.every_s):
                 try:

@@ -223,7 +223,8 @@ class GroupReader:
         self.streams = list(streams)
         self.group = group
         self.consumer = consumer
-        self._pending_cursor: dict[str, str | None] = {s: "0" for s in self.streams}
+        self._pending_cursor: dict[str, str | None] = {}
+        self.reread_pending()  # a consumer starts with what it was handed before a restart
 
     async def ensure_groups(self, start_id: str = "0") -> None:
         for stream in self.streams:
