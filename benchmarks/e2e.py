@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvledger.report import format_table  # noqa: E402
-from services.redis_server import free_port  # noqa: E402
+from services.transport.redis_server import free_port  # noqa: E402
 
 
 @dataclass
@@ -101,14 +101,14 @@ def make_workload(
 def run_in_process(work: Workload, args: argparse.Namespace) -> Report:
     import torch
 
+    from engine.translate import Tracked, build_step_message
     from gpu_worker.checkpoint import load_model
     from gpu_worker.runner import ModelRunner
-    from ledger.core.hashing import BlockHasher
-    from ledger.core.kv_cache_manager import KVCacheManager
-    from ledger.core.request import Request
-    from ledger.core.scheduler import Scheduler, SchedulerConfig
-    from ledger.service.translate import Tracked, build_step_message
-    from services.messages import GenerateRequest, SamplingParams
+    from ledger.hashing import BlockHasher
+    from ledger.kv_cache_manager import KVCacheManager
+    from ledger.request import Request
+    from ledger.scheduler import Scheduler, SchedulerConfig
+    from services.wire.messages import GenerateRequest, SamplingParams
 
     torch.set_num_threads(1)
     model = load_model(args.model, seed=0)

@@ -3,7 +3,7 @@
 The batches are what the ledger publishes on a real run: our scheduler and KVCacheManager (events
 on) over the shared-prefix workload in the blog's 100k-token pool, one batch per step. Three
 codecs encode and decode the same batches, interleaved repetitions (each rep in another order),
-GC on as in the service: kvledger's (`ledger.core.events`) and vLLM's `msgspec.msgpack.Encoder`
+GC on as in the service: kvledger's (`ledger.events`) and vLLM's `msgspec.msgpack.Encoder`
 over its own structs (in its venv), each in a fresh subprocess of its own driven rep by rep, and
 the pure-Python codec kvledger had before (kept below; its decoder lives on as
 `decode_batch_generic`, the fallback for older layouts). Every codec's bytes are checked against
@@ -31,11 +31,11 @@ from typing import Any
 def record_batches(num_requests: int) -> list[bytes]:
     from kvledger.simulate import BLOG_MAX_MODEL_LEN, BLOG_POOL_TOKENS
     from kvledger.workloads import shared_prefix_workload, synthetic_token
-    from ledger.core.events import KVEventBatch, encode_batch
-    from ledger.core.hashing import BlockHasher
-    from ledger.core.kv_cache_manager import KVCacheManager
-    from ledger.core.request import Request
-    from ledger.core.scheduler import Scheduler, SchedulerConfig
+    from ledger.events import KVEventBatch, encode_batch
+    from ledger.hashing import BlockHasher
+    from ledger.kv_cache_manager import KVCacheManager
+    from ledger.request import Request
+    from ledger.scheduler import Scheduler, SchedulerConfig
 
     sims = shared_prefix_workload(num_requests)
     manager = KVCacheManager(
@@ -94,7 +94,7 @@ def legacy_encode_event(event: Any, fields: tuple[str, ...], required: tuple[str
 
 
 def legacy_encode_batch(batch: Any) -> bytes:
-    from ledger.core.events import _FIELDS, _REQUIRED
+    from ledger.events import _FIELDS, _REQUIRED
 
     events = batch.events
     if len(events) <= 15:
@@ -141,7 +141,7 @@ def side(batches_path: str, codec: str) -> int:
         encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch)
         codecs[VLLM] = (encoder.encode, decoder.decode)
     try:
-        from ledger.core.events import decode_batch, encode_batch
+        from ledger.events import decode_batch, encode_batch
     except ImportError:
         pass
     else:
@@ -216,7 +216,7 @@ def main(argv: list[str]) -> int:
 
     import msgspec
 
-    from ledger.core.events import decode_batch, decode_batch_generic, encode_batch
+    from ledger.events import decode_batch, decode_batch_generic, encode_batch
 
     global _PACK
     _PACK = _make_packer().pack

@@ -35,7 +35,7 @@ from kv_events import record_batches
 
 # ------------------------------------------------------------ the subscribers kvledger had before
 def _apply_counter(counts: Counter[int], batch: Any) -> None:
-    from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+    from ledger.events import AllBlocksCleared, BlockRemoved, BlockStored
 
     for event in batch.events:
         if isinstance(event, BlockStored):
@@ -59,8 +59,8 @@ class LegacySubscriber:
         self.last_id = "0-0"
 
     async def poll(self, block_ms: int | None = None, count: int = 256) -> int:
-        from ledger.core.events import decode_batch_generic
-        from services.transport import read_from
+        from ledger.events import decode_batch_generic
+        from services.transport.redis_streams import read_from
 
         entries = await read_from(self.r, self.stream, self.last_id, count=count, block_ms=block_ms)
         for entry_id, fields in entries:
@@ -79,7 +79,7 @@ class BeforeTuningSubscriber:
     """This work's subscriber before its read path was tuned: full structs, Counter, count 256."""
 
     def __init__(self, r: Any, stream: str, counts: dict[int, int], checkpoint: Path | None):
-        from services.checkpoint import CheckpointWriter
+        from services.events.snapshot import CheckpointWriter
 
         self.r, self.stream = r, stream
         self.counts: Counter[int] = Counter(counts)
@@ -89,8 +89,8 @@ class BeforeTuningSubscriber:
         self.last_id = "0-0"
 
     async def poll(self, block_ms: int | None = None, count: int = 256) -> int:
-        from ledger.core.events import decode_batch
-        from services.transport import read_from
+        from ledger.events import decode_batch
+        from services.transport.redis_streams import read_from
 
         entries = await read_from(self.r, self.stream, self.last_id, count=count, block_ms=block_ms)
         applied = []
@@ -108,11 +108,11 @@ def whole_batch_log_subscriber() -> type:
     """This work's subscriber before its checkpoint logged index operations: the same read path,
     but every applied batch appended to the log whole (so the 1M-entry base is rewritten each
     time that log outgrows it)."""
-    from services.subscriber import KVEventSubscriber
+    from services.events.subscriber import KVEventSubscriber
 
     class WholeBatchLogSubscriber(KVEventSubscriber):
         async def poll(self, block_ms: int | None = 1000, count: int = 1024) -> int:
-            from services.transport import read_from
+            from services.transport.redis_streams import read_from
 
             entries = await read_from(
                 self.r, self.streams.events, self.last_id, count=count, block_ms=block_ms
@@ -135,12 +135,12 @@ def batch_field_subscriber(read_ahead: bool) -> type:
     hashes-only decoder (which still scans the token_ids it skips); `read_ahead` keeps the
     XREAD of the next page while the last one is applied, as now (False: as before, one XREAD
     then its page, in turn)."""
-    from services.checkpoint import OpLog
-    from services.subscriber import KVEventSubscriber
+    from services.events.snapshot import OpLog
+    from services.events.subscriber import KVEventSubscriber
 
     class BatchFieldSubscriber(KVEventSubscriber):
         async def poll(self, block_ms: int | None = 1000, count: int = 1024) -> int:
-            from services.transport import read_from
+            from services.transport.redis_streams import read_from
 
             if read_ahead:
                 entries = await self._read(block_ms, count)
@@ -162,8 +162,8 @@ def batch_field_subscriber(read_ahead: bool) -> type:
 
 def hashes_field_without_read_ahead() -> type:
     """This subscriber reading `hashes`, but one XREAD then its page, in turn."""
-    from services.subscriber import KVEventSubscriber
-    from services.transport import read_from
+    from services.events.subscriber import KVEventSubscriber
+    from services.transport.redis_streams import read_from
 
     class NoReadAhead(KVEventSubscriber):
         async def _read(self, block_ms: int | None, count: int) -> list:
@@ -178,9 +178,9 @@ def hashes_field_without_read_ahead() -> type:
 async def publish(
     r: Any, streams: Any, blobs: list[bytes], target_events: int
 ) -> tuple[int, float]:
-    from ledger.core.block_pool import BlockPool
-    from ledger.core.events import decode_batch
-    from ledger.service.event_stream import KVEventStream
+    from engine.event_stream import KVEventStream
+    from ledger.block_pool import BlockPool
+    from ledger.events import decode_batch
 
     stream = KVEventStream(r, streams, max_bytes=10**10, snapshot_interval_s=1e9, block_size=16,
                            hash_algo="sha256")  # fmt: skip
@@ -207,12 +207,12 @@ def synthetic_counts(n: int) -> dict[int, int]:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    from ledger.core.events import decode_batch
-    from services.checkpoint import KVSnapshot, encode_snapshot, pack_counts
-    from services.keys import StreamNames
-    from services.redis_server import RedisServer
-    from services.subscriber import KVEventSubscriber
-    from services.transport import connect
+    from ledger.events import decode_batch
+    from services.events.snapshot import KVSnapshot, encode_snapshot, pack_counts
+    from services.events.subscriber import KVEventSubscriber
+    from services.transport.keys import StreamNames
+    from services.transport.redis_server import RedisServer
+    from services.transport.redis_streams import connect
 
     blobs = record_batches(args.requests)
     big = synthetic_counts(args.entries)

@@ -45,7 +45,7 @@ async def max_stall(work) -> float:
 
 
 async def legacy_write_snapshot(r, key: str, pool, epoch: str, last_id: bytes) -> None:
-    from ledger.core.hashing import to_event_hash
+    from ledger.hashing import to_event_hash
 
     counts: dict[int, int] = {}
     for block in pool.blocks:
@@ -63,7 +63,7 @@ async def bootstrap_before_fromkeys(r, key: str) -> int:
     from array import array
     from collections import Counter
 
-    from services.checkpoint import decode_snapshot
+    from services.events.snapshot import decode_snapshot
 
     snapshot = decode_snapshot(await r.get(key))
     hashes, counts = array("Q"), array("I")
@@ -73,12 +73,12 @@ async def bootstrap_before_fromkeys(r, key: str) -> int:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    from ledger.core.block_pool import BlockPool
-    from ledger.service.event_stream import KVEventStream
-    from services.keys import StreamNames
-    from services.redis_server import RedisServer
-    from services.subscriber import KVEventSubscriber
-    from services.transport import connect
+    from engine.event_stream import KVEventStream
+    from ledger.block_pool import BlockPool
+    from services.events.subscriber import KVEventSubscriber
+    from services.transport.keys import StreamNames
+    from services.transport.redis_server import RedisServer
+    from services.transport.redis_streams import connect
 
     n = args.blocks
     pool = BlockPool(n + 1, enable_caching=True)
@@ -127,7 +127,7 @@ async def run(args: argparse.Namespace) -> dict:
                 json.dumps({"last_id": "1-0", "counts": list(sub.index.counts.items())})
             )
             results["checkpoint_json"].append(time.perf_counter() - start)
-            from services.checkpoint import CheckpointWriter
+            from services.events.snapshot import CheckpointWriter
 
             writer = CheckpointWriter(Path(tmp) / "sub.ckpt")
             writer.compact("1-0", sub.index.counts)

@@ -40,10 +40,10 @@ def record_trace(workload: str, num_requests: int, hash_algo: str) -> dict[str, 
     """Run our scheduler on the workload and log every manager call with its arguments."""
     from kvledger.simulate import BLOG_MAX_MODEL_LEN, BLOG_POOL_TOKENS
     from kvledger.workloads import blog_workload, shared_prefix_workload, synthetic_token
-    from ledger.core.hashing import BlockHasher
-    from ledger.core.kv_cache_manager import KVCacheManager
-    from ledger.core.request import Request
-    from ledger.core.scheduler import Scheduler, SchedulerConfig
+    from ledger.hashing import BlockHasher
+    from ledger.kv_cache_manager import KVCacheManager
+    from ledger.request import Request
+    from ledger.scheduler import Scheduler, SchedulerConfig
 
     sims = (shared_prefix_workload if workload == "shared-prefix" else blog_workload)(num_requests)
     index = {sim.request_id: i for i, sim in enumerate(sims)}
@@ -173,9 +173,9 @@ class LedgerSide:
     name = "kvledger"
 
     def __init__(self, hash_algo: str) -> None:
-        from ledger.core.hashing import BlockHasher
-        from ledger.core.kv_cache_manager import KVCacheManager
-        from ledger.core.request import Request
+        from ledger.hashing import BlockHasher
+        from ledger.kv_cache_manager import KVCacheManager
+        from ledger.request import Request
 
         self.Manager, self.Request = KVCacheManager, Request
         self.hasher = BlockHasher(hash_algo, seed="vllm-none-hash")

@@ -29,18 +29,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services import registry, transport  # noqa: E402
-from services.keys import StreamNames  # noqa: E402
-from services.messages import (  # noqa: E402
+from services.startup import freeze_after_startup  # noqa: E402
+from services.transport import redis_streams, registry  # noqa: E402
+from services.transport.keys import StreamNames  # noqa: E402
+from services.transport.redis_server import RedisServer  # noqa: E402
+from services.wire.codec import decode, encode  # noqa: E402
+from services.wire.messages import (  # noqa: E402
     GenerateRequest,
     SamplingParams,
     StepMessage,
     StepResult,
     WorkerHello,
 )
-from services.redis_server import RedisServer  # noqa: E402
-from services.startup import freeze_after_startup  # noqa: E402
-from services.wire import decode, encode  # noqa: E402
 
 SETUPS = {  # name -> (KVLEDGER_EVENT_LOOP, hiredis importable)
     "uvloop+hiredis": ("uvloop", True),
@@ -90,7 +90,7 @@ async def null_worker(
             pending = [e for _, items in reply for e in items]
             continue
         entry_id, fields = pending.pop(0)
-        step = decode(fields[transport.FIELD])
+        step = decode(fields[redis_streams.FIELD])
         assert isinstance(step, StepMessage)
         n = step.num_scheduled_tokens
         if decoding_since is None and len(n) == want and sum(n.values()) == want:
@@ -103,7 +103,7 @@ async def null_worker(
                             sampled_token_ids=null_step(step, known, computed),
                             leader_token=step.leader_token)  # fmt: skip
         async with r.pipeline(transaction=False) as pipe:
-            pipe.xadd(streams.results, {transport.FIELD: encode(result)}, maxlen=10_000,
+            pipe.xadd(streams.results, {redis_streams.FIELD: encode(result)}, maxlen=10_000,
                       approximate=True)  # fmt: skip
             pipe.xack(stream, group, entry_id)
             if not pending:
@@ -144,7 +144,7 @@ async def heartbeat(r, streams: StreamNames, hello: WorkerHello) -> None:
 async def one_run(url: str, size: int, setup: str, steps: int, staggered: bool = False) -> dict:
     loop_name, hiredis = SETUPS[setup]
     streams = StreamNames(f"b{uuid.uuid4().hex[:8]}")
-    r = transport.connect(url)
+    r = redis_streams.connect(url)
     blocks = size * (MAX_MODEL_LEN // BLOCK_SIZE) + 16
     hello = WorkerHello(
         worker_id="null", group="default", num_gpu_blocks=blocks, block_size=BLOCK_SIZE,
@@ -174,7 +174,7 @@ async def one_run(url: str, size: int, setup: str, steps: int, staggered: bool =
                 prompt = [(i * 7919 + j * 104729) % (VOCAB - 2) + 2 for j in range(length)]
                 msg = GenerateRequest(req_id=f"r{i}", gateway_id="bench", prompt_token_ids=prompt,
                                       sampling=sampling, arrival_time=time.time())  # fmt: skip
-                pipe.xadd(streams.requests, {transport.FIELD: encode(msg)})
+                pipe.xadd(streams.requests, {redis_streams.FIELD: encode(msg)})
             await pipe.execute()
         while not worker.done():
             await asyncio.wait({worker}, timeout=1.0)

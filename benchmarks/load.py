@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvledger.report import format_table, now_stamp, write_json  # noqa: E402
-from services.redis_server import free_port  # noqa: E402
+from services.transport.redis_server import free_port  # noqa: E402
 
 WORDS = ["cache", "block", "page", "token", "prefix", "ledger", "worker", "stream",
          "scheduler", "request", "gateway", "attention", "decode", "prefill", "hash", "evict",

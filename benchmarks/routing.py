@@ -1,12 +1,12 @@
 """Cache-aware routing at scale, by simulation: every policy on the same multi-tenant trace.
 
 The real ledger core of each replica (KVCacheManager + Scheduler) runs in one process under a
-step-time model (kvledger/routing_sim.py); the router is services/routing.py, the same code the
+step-time model (tests/harness/routing_sim.py); the router is services/routing/policy.py, the same code the
 gateway uses. For 8, 16 and 64 replicas and round_robin, least_loaded, approx, precise and the
 oracle: prefill tokens computed, prefix hit rate, TTFT p50/p99 and output throughput, both over
 the makespan (first arrival to last finish: the trace's head and tail included) and over the
 saturated window (the longest stretch with every replica busy: `saturated_window` in
-kvledger/routing_sim.py; `saturated_from_s`/`saturated_s` say where and how long). Then the
+tests/harness/routing_sim.py; `saturated_from_s`/`saturated_s` say where and how long). Then the
 router restart at 8 replicas: the hit rate of the 200 requests routed after a mid-run restart,
 against the same 200 requests in the run without a restart.
 
@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvledger.routing_sim import (
+from ledger.hashing import BlockHasher
+from tests.harness.routing_sim import (
     SIM_POLICIES,
     HashedWorkload,
     ReplicaConfig,
@@ -40,8 +41,7 @@ from kvledger.routing_sim import (
     SimResult,
     StepModel,
 )
-from kvledger.routing_workload import WorkloadConfig, multi_tenant_workload
-from ledger.core.hashing import BlockHasher
+from tests.harness.routing_workload import WorkloadConfig, multi_tenant_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -3,7 +3,7 @@
 Each run starts a fresh redis-server, N ledger + worker pairs (`--replica r0..`, each its own KV
 cache, `KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE` small enough that the system prompts do not all fit, so
 eviction matters) and one gateway under the policy, then replays the seeded multi-tenant trace
-(kvledger/routing_workload.py) open loop over streaming HTTP: a conversation's first turn at its
+(tests/harness/routing_workload.py) open loop over streaming HTTP: a conversation's first turn at its
 arrival time, a follow-up its think time after the previous turn's last token. Figures per run:
 prefill tokens computed and prefix hit rate (every ledger's vllm:prefix_cache_* counters), TTFT
 p50/p99 (first streamed token), output tokens/s (wall clock, first send to last token), and each
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import redis
 
-from kvledger.processes import ServiceProcess
-from kvledger.routing_workload import Turn
-from services import wire
-from services.messages import StepMessage, StepResult
-from services.redis_server import RedisServer, free_port
-from services.transport import FIELD
+from services.transport.redis_server import RedisServer, free_port
+from services.transport.redis_streams import FIELD
+from services.wire import codec
+from services.wire.messages import StepMessage, StepResult
+from tests.harness.processes import ServiceProcess
+from tests.harness.routing_workload import Turn
 
 PREFIX = "kvl"
 
@@ -106,11 +106,11 @@ class Stack:
         self.start_gateway()
 
     def _has_worker(self, name: str) -> bool:
-        from services.keys import StreamNames
-        from services.messages import LedgerStatus
+        from services.transport.keys import StreamNames
+        from services.wire.messages import LedgerStatus
 
         data = self.client.get(StreamNames(PREFIX, name).ledger_status)
-        return bool(data) and wire.decode(data, LedgerStatus).num_workers > 0  # type: ignore[arg-type]
+        return bool(data) and codec.decode(data, LedgerStatus).num_workers > 0  # type: ignore[arg-type]
 
     def _check_alive(self) -> None:
         for proc in [*self.procs, *([self.gateway] if self.gateway else [])]:
@@ -168,12 +168,12 @@ class Stack:
             base = f"{PREFIX}:{{{name}}}"
             seconds = {}
             for _, fields in self.client.xrange(f"{base}:results"):
-                result = wire.decode(fields[FIELD], StepResult)
+                result = codec.decode(fields[FIELD], StepResult)
                 if result.error is None:
                     seconds[result.step_id] = result.execute_seconds
             for key in self.client.scan_iter(match=f"{base}:steps:*", _type="stream"):
                 for _, fields in self.client.xrange(key):
-                    step = wire.decode(fields[FIELD], StepMessage)
+                    step = codec.decode(fields[FIELD], StepMessage)
                     if step.step_id not in seconds:
                         continue
                     cached = {r.req_id for r in step.cached_reqs}

@@ -19,13 +19,12 @@ from aiohttp.typedefs import Middleware
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from redis.exceptions import RedisError
 
+from gateway.answer import respond, stream, total_usage
+from gateway.bodies import Meta, error_body
 from gateway.fields import ApiError
-from gateway.generate import Generation
-from gateway.prompts import fan_out
-from gateway.protocol import Job, parse_chat, parse_completion, parse_json, resolve
-from gateway.replies import respond, stream, total_usage
-from gateway.responses import Meta, error_body
-from gateway.service import Gateway
+from gateway.inflight import Generation
+from gateway.protocol import Job, fan_out, parse_chat, parse_completion, parse_json, resolve
+from gateway.state import Gateway
 from gateway.utility import add_utility_routes, model_body
 from observability import (
     Attr,
@@ -34,11 +33,11 @@ from observability import (
     metrics_handler,
 )
 from observability.ratelimit import RateLimitedLog, install_loop_exception_handler
-from services import transport
 from services.config import GatewayConfig
 from services.environment import ConfigError
 from services.http_server import CappedSite, connection_cap, limits_of, runner_options
-from services.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
+from services.transport import redis_streams
 
 log = get_logger("gateway")
 _slow_clients = RateLimitedLog(log)  # a flood of slow bodies logs a line per interval
@@ -63,7 +62,7 @@ def create_app(
     if redis is not None:
         client = redis
     elif config.redis_url:
-        client = transport.connect_pooled(
+        client = redis_streams.connect_pooled(
             config.redis_url, redis_pool_size(config.max_queue), REDIS_POOL_TIMEOUT_S
         )
     else:

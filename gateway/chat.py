@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.fields import bad_request, read_bool, short, type_name
-from services.tokenizer import ChatOptions
+from services.tokenization.tokenizer import ChatOptions
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 RESPONSE_ROLE = "assistant"

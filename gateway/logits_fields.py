@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.fields import bad_request, read_number, read_token_ids, short, type_name
-from services.tokenizer import Tokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps every bias into [-100, 100]
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.fields import bad_request, read_bool, type_name
-from services.messages import TokenLogprobs
-from services.tokenizer import Tokenizer
+from services.tokenization.tokenizer import Tokenizer
+from services.wire.messages import TokenLogprobs
 
 MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 FLOOR = -9999.0  # what OpenAI (and vLLM) show for -inf

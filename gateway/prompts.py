@@ -4,14 +4,10 @@ token-id lists), `n` choices per prompt and OpenAI's `best_of`, within vLLM 0.33
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.fields import bad_request, read_int, read_token_ids, type_name
-from services.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from gateway.protocol import Job
+from services.tokenization.tokenizer import Tokenizer
 
 MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES: n per prompt, and here sequences in all
 MAX_COMPLETION_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS
@@ -76,20 +72,3 @@ def check_num_sequences(num_prompts: int, n: int, best_of: int | None) -> None:
             f"{MAX_N_SEQUENCES} are allowed in one request",
             param,
         )
-
-
-def fan_out(jobs: list[Job]) -> list[Job]:
-    """One job per sequence, as vLLM's parallel sampling: sample i of a prompt gets seed + i
-    (unseeded ones get their own seed from the ledger). Choices are indexed prompt by prompt.
-    best_of's samples compute their logprobs to be ranked, shown only when asked."""
-    children = []
-    for job in jobs:
-        count = job.best_of or job.n
-        if job.best_of is not None and job.logprobs.logprobs is None:
-            job = dataclasses.replace(
-                job, logprobs=dataclasses.replace(job.logprobs, logprobs=0, hidden=True)
-            )
-        for i in range(count):
-            seed = None if job.seed is None else job.seed + i
-            children.append(dataclasses.replace(job, seed=seed))
-    return children

@@ -32,13 +32,13 @@ from gateway.logprobs import LogprobFields, read_chat_logprobs, read_completion_
 from gateway.prompts import check_num_sequences, read_best_of, read_n, read_prompts
 from gateway.structured import read_structured
 from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS_FIELDS, check_fields
-from services.messages import SamplingParams, StructuredOutput
-from services.tokenizer import ChatTemplateError, Tokenizer
-
-# vLLM's SamplingParams: a positive temperature below _MAX_TEMP is raised to it (smaller ones
-# overflow the softmax); below _SAMPLING_EPS the worker samples greedily.
-MAX_TEMP = 1e-2
-SAMPLING_EPS = 1e-5
+from services.tokenization.tokenizer import ChatTemplateError, Tokenizer
+from services.wire.messages import (
+    SamplingParams,
+    StructuredOutput,
+    is_greedy,
+    normalized_temperature,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +209,7 @@ def _job(
         check_fields(options, STREAM_OPTIONS_FIELDS, "stream_options.")
     include_usage, continuous_usage = read_stream_options(options, stream)
     top_k = read_int(body, "top_k", lo=-1, hi=INT64_MAX)
-    temperature = read_number(body, "temperature", 0.0, 2.0, default=1.0)
-    if 0 < temperature < MAX_TEMP:
-        temperature = MAX_TEMP
+    temperature = normalized_temperature(read_number(body, "temperature", 0.0, 2.0, default=1.0))
     truncation_side = body.get("truncation_side") or "left"
     if truncation_side not in ("left", "right"):
         raise bad_request("`truncation_side` must be either 'left' or 'right'.", "truncation_side")
@@ -331,7 +329,7 @@ def sampling_params(job: Job, eos_token_ids: Sequence[int]) -> SamplingParams:
         eos = eos_token_ids[0]
         stop_ids += [i for i in eos_token_ids[1:] if i not in stop_ids]
     assert job.max_tokens is not None, "resolve() the job first"
-    greedy = job.temperature < SAMPLING_EPS  # vLLM: greedy ignores the filters
+    greedy = is_greedy(job.temperature)  # vLLM: greedy ignores the filters
     logits = job.logits
     return SamplingParams(
         temperature=0.0 if greedy else job.temperature,
@@ -361,3 +359,20 @@ def _check_vocab(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(
             f"token id {bad} in '{param}' is out of the vocabulary (ids 0..{vocab_size - 1})", param
         )
+
+
+def fan_out(jobs: list[Job]) -> list[Job]:
+    """One job per sequence, as vLLM's parallel sampling: sample i of a prompt gets seed + i
+    (unseeded ones get their own seed from the ledger). Choices are indexed prompt by prompt.
+    best_of's samples compute their logprobs to be ranked, shown only when asked."""
+    children = []
+    for job in jobs:
+        count = job.best_of or job.n
+        if job.best_of is not None and job.logprobs.logprobs is None:
+            job = dataclasses.replace(
+                job, logprobs=dataclasses.replace(job.logprobs, logprobs=0, hidden=True)
+            )
+        for i in range(count):
+            seed = None if job.seed is None else job.seed + i
+            children.append(dataclasses.replace(job, seed=seed))
+    return children

@@ -15,7 +15,7 @@ import llguidance
 
 from gateway.fields import bad_request, read_bool, short, type_name
 from gateway.support import STRUCTURED_OUTPUTS_FIELDS, check_fields
-from services.messages import StructuredOutput
+from services.wire.messages import StructuredOutput
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")

@@ -14,9 +14,9 @@ from gateway.chat import read_chat_prompt
 from gateway.fields import ApiError, bad_request, read_bool, read_model, read_token_ids
 from gateway.openapi import openapi_document
 from gateway.protocol import parse_json
-from gateway.service import Gateway
+from gateway.state import Gateway
 from gateway.support import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
-from services.tokenizer import ChatTemplateError
+from services.tokenization.tokenizer import ChatTemplateError
 
 # vLLM's TokenizeChatRequest: fields only the chat form takes.
 CHAT_ONLY_FIELDS = (

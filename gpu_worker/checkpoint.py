@@ -24,7 +24,7 @@ from gpu_worker.model import (
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.safetensors_reader import SafetensorsError, SafetensorsFile
 from services.environment import env
-from services.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
+from services.tokenization.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
 
 DTYPES = {
     "float32": torch.float32,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.messages import TokenLogprobs
+from services.wire.messages import TokenLogprobs
 
 
 def gather_logprobs(

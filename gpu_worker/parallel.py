@@ -6,7 +6,7 @@ their own. With size 1 every collective is the identity and no `torch.distribute
 
 The process group is `torch.distributed`'s default one: gloo on the CPU, NCCL on CUDA. Rank 0
 hosts a `TCPStore` on a free port and publishes its address (through Redis, see
-gpu_worker/tp_service.py); the other ranks connect to it. Each formation is prefixed by its epoch,
+gpu_worker/tp_group.py); the other ranks connect to it. Each formation is prefixed by its epoch,
 so a rank still holding an old address cannot join a newer group by mistake.
 """
 

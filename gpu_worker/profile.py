@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.model import LlamaForCausalLM
 from kernels import AttentionBackend, AttentionPlan, KVCache, TorchReference, kv_cache_shape
-from ledger.core.capacity import kv_cache_bytes_per_block
+from ledger.capacity import kv_cache_bytes_per_block
 
 GiB = 1 << 30
 NO_MEMORY = (

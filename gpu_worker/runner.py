@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from gpu_worker.checkpoint import load_model, model_name
+from gpu_worker.devices import resolve_device
 from gpu_worker.logprobs import gather_logprobs
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.parallel import TensorParallel
@@ -23,7 +24,7 @@ from gpu_worker.profile import (
     cuda_snapshot,
     profile_memory,
 )
-from gpu_worker.sampler import SAMPLING_EPS, SampleRequest, position_seed, sample
+from gpu_worker.sampler import SampleRequest, position_seed, sample
 from gpu_worker.structured import GrammarError, GrammarRow, GrammarState, StructuredOutputs
 from kernels import (
     AttentionBackend,
@@ -33,13 +34,14 @@ from kernels import (
     kv_cache_shape,
     select_backend,
 )
-from services.messages import (
+from services.wire.messages import (
     CachedRequestData,
     NewRequestData,
     PromptLogprobs,
     SamplingParams,
     StepMessage,
     TokenLogprobs,
+    is_greedy,
 )
 
 
@@ -152,9 +154,7 @@ class ModelRunner:
     @classmethod
     def create(cls, cfg: RunnerConfig) -> ModelRunner:
         """Load the model, profile memory, and allocate the KV cache the profile allows."""
-        device = torch.device(
-            cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        )
+        device = resolve_device(cfg.device)
         start = None
         if device.type == "cuda" and cfg.profile.kv_cache_memory_bytes is None:
             start = cuda_snapshot(device)
@@ -258,7 +258,7 @@ class ModelRunner:
 
     def _new_chunk(self, req: NewRequestData, num_tokens: int) -> _Chunk:
         generator = None
-        if req.sampling.seed is not None and req.sampling.temperature >= SAMPLING_EPS:
+        if req.sampling.seed is not None and not is_greedy(req.sampling.temperature):
             generator = torch.Generator(self.device)
         state = RequestState(
             [], req.num_prompt_tokens, [], req.num_computed_tokens, req.sampling, generator

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.messages import SamplingParams
-
-SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it is greedy
+from services.wire.messages import SamplingParams, is_greedy
 
 
 @dataclass(slots=True)
@@ -31,7 +29,7 @@ class SampleRequest:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature < SAMPLING_EPS
+        return is_greedy(self.params.temperature)
 
 
 def sample(

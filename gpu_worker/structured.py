@@ -19,8 +19,8 @@ from pathlib import Path
 import llguidance
 import torch
 
-from services.messages import StructuredOutput
-from services.tokenizer import ByteTokenizer, load_tokenizer
+from services.tokenization.tokenizer import ByteTokenizer, load_tokenizer
+from services.wire.messages import StructuredOutput
 
 
 class GrammarError(ValueError):

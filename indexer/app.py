@@ -22,13 +22,13 @@ from aiohttp import web
 from indexer.score import ScoreRequestError, read_score_request
 from observability import get_logger
 from observability.ratelimit import RateLimitedLog
-from services import transport
 from services.config import IndexerConfig
 from services.environment import ConfigError
 from services.http_server import CappedSite, connection_cap, limits_of, runner_options
-from services.replicas import ReplicaSet, parse_replicas
-from services.routing import HealthLimits, ReplicaHealth
-from services.tokenizer import Tokenizer, load_tokenizer
+from services.routing.policy import HealthLimits, ReplicaHealth
+from services.routing.replicas import ReplicaSet, parse_replicas
+from services.tokenization.tokenizer import Tokenizer, load_tokenizer
+from services.transport import redis_streams
 
 log = get_logger("indexer")
 
@@ -46,7 +46,7 @@ def create_app(config: IndexerConfig, redis: aioredis.Redis | None = None) -> we
         limits = HealthLimits(config.stale_after_s, config.out_after_s)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    client = redis if redis is not None else transport.connect(str(config.redis_url))
+    client = redis if redis is not None else redis_streams.connect(str(config.redis_url))
     replica_set = ReplicaSet(client, replicas, checkpoint_dir=config.checkpoint_dir, limits=limits)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
     app[REPLICAS] = replica_set

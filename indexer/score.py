@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.tokenizer import Tokenizer
+from services.tokenization.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "prompt_token_ids", "cache_salt")
 

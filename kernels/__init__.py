@@ -19,13 +19,12 @@ from kernels.backend import (
     AttentionPlan,
     AttentionSpec,
     BackendError,
-    CudaKernels,
     KVCache,
     TorchReference,
-    cuda_unsupported,
     kv_cache_shape,
-    select_backend,
 )
+from kernels.cuda_backend import CudaKernels
+from kernels.select import cuda_unsupported, select_backend
 
 __all__ = [
     "BACKEND_CHOICES",

@@ -13,15 +13,11 @@ needed, after one eager warm-up on a side stream.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kernels.backend import AttentionBackend, AttentionPlan
+from kernels.backend import AttentionBackend, AttentionPlan, Forward
 
-Forward = Callable[[torch.Tensor, torch.Tensor, "AttentionPlan"], torch.Tensor]
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 

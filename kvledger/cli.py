@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from services.config import (
     GatewayConfig,
@@ -74,7 +75,10 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 def _service_main(
     name: str, cls: type[LedgerConfig | WorkerConfig | GatewayConfig | IndexerConfig]
 ) -> Callable[[argparse.Namespace], int]:
+    """`kvledger ROLE`: the role's config from flags and environment, then its `serve`."""
+
     def run(args: argparse.Namespace) -> int:
+        from kvledger.runtime import run_role
         from services.environment import ConfigError
 
         try:
@@ -83,33 +87,34 @@ def _service_main(
         except ConfigError as exc:
             print(f"kvledger {name}: {exc}", file=sys.stderr)
             return 2
-        if isinstance(config, LedgerConfig):
-            return run_ledger(config)
-        if isinstance(config, WorkerConfig):
-            return run_worker(config)
-        if isinstance(config, IndexerConfig):
-            return run_indexer(config)
-        return run_gateway(config)
+        return run_role(name, config, _role_serve(name))
 
     return run
 
 
-def warn_password_on_command_line(command: str, flag_value: str | None) -> None:
-    """A password in --redis-url shows in `ps` to every user of the machine: say so once."""
-    from services.environment import redact_url, redis_password
+def _role_serve(name: str) -> Callable[[Any], Coroutine[Any, Any, None]]:
+    """Each role's `serve(config)`, imported only for the role that runs (the gateway and the
+    indexer never load torch)."""
+    if name == "ledger":
+        from engine import serve as serve_ledger
 
-    if flag_value and redis_password(flag_value):
-        print(
-            f"kvledger {command}: warning: --redis-url {redact_url(flag_value)} carries a "
-            "password on the command line, where `ps` shows it; use KVLEDGER_REDIS_URL or "
-            "KVLEDGER_REDIS_URL_FILE instead",
-            file=sys.stderr,
-            flush=True,
-        )
+        return serve_ledger
+    if name == "worker":
+        from gpu_worker import serve as serve_worker
+
+        return serve_worker
+    if name == "gateway":
+        from gateway import serve as serve_gateway
+
+        return serve_gateway
+    from indexer import serve as serve_indexer
+
+    return serve_indexer
 
 
 def _resolve_redis_url(command: str, config: object, flag_value: str | None) -> None:
     """No --redis-url nor KVLEDGER_REDIS_URL: KVLEDGER_REDIS_URL_FILE, if set."""
+    from kvledger.runtime import warn_password_on_command_line
     from services.config import CommonConfig
     from services.environment import env, read_redis_url_file
 
@@ -118,147 +123,6 @@ def _resolve_redis_url(command: str, config: object, flag_value: str | None) -> 
     path = env("KVLEDGER_REDIS_URL_FILE")
     if not config.redis_url and path:
         config.redis_url = read_redis_url_file(path)
-
-
-def run_ledger(config: LedgerConfig) -> int:
-    from aiohttp import web
-
-    from kvledger.runtime import run_service
-    from ledger.service.engine import LedgerService
-    from ledger.service.http import metrics_app
-    from ledger.service.workers import StartupError
-    from observability import get_logger
-    from observability.ratelimit import RateLimitedLog
-    from services.http_server import CappedSite, connection_cap, limits_of, runner_options
-
-    async def main(r, tracer) -> None:
-        service = LedgerService(config, r, tracer)
-        runner = None
-        if config.metrics_port:
-            limits = limits_of(config)
-            runner = web.AppRunner(metrics_app(service), access_log=None, **runner_options(limits))
-            await runner.setup()
-            refusals = RateLimitedLog(get_logger("ledger"))
-            await CappedSite(
-                runner, config.metrics_host, config.metrics_port, connection_cap(limits),
-                on_refused=lambda n: refusals.log("warning", "connection_refused", open_connections=n),
-            ).start()  # fmt: skip
-        try:
-            await service.run()
-        except StartupError as exc:
-            print(f"kvledger ledger: {exc}", file=sys.stderr)
-            raise SystemExit(3) from None
-        finally:
-            if runner is not None:
-                await runner.cleanup()
-
-    return run_service("ledger", config, main)
-
-
-def run_worker(config: WorkerConfig) -> int:
-    from gpu_worker.parallel import TensorParallel, TensorParallelError
-    from gpu_worker.profile import ProfileSettings
-    from gpu_worker.runner import ModelRunner, RunnerConfig
-    from gpu_worker.service import WorkerService, configure_torch_threads
-    from kernels import BackendError
-    from kvledger.runtime import run_service
-
-    async def main(r, tracer) -> None:
-        import asyncio
-
-        import torch
-
-        device = torch.device(
-            config.device
-            if config.device != "auto"
-            else "cuda"
-            if torch.cuda.is_available()
-            else "cpu"
-        )
-        configure_torch_threads(device)
-        try:
-            tp = TensorParallel(config.tp_rank, config.tp_size)
-        except TensorParallelError as exc:
-            print(f"kvledger worker: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
-        if device.type == "cuda" and tp.size > 1:
-            device = torch.device("cuda", tp.rank % torch.cuda.device_count())  # a GPU per rank
-            if config.kv_cache_memory_bytes is None:
-                # The profile run is a forward pass, a collective the group is not formed for yet.
-                print(
-                    "kvledger worker: --tp-size > 1 on CUDA needs --kv-cache-memory-bytes "
-                    "(the profile run does not run across ranks yet)",
-                    file=sys.stderr,
-                )
-                raise SystemExit(2)
-        runner_config = RunnerConfig(
-            tp=tp,
-            model=config.model,
-            dtype=config.dtype,
-            device=str(device),
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            seed=config.seed,
-            kernels=config.kernels,
-            profile=ProfileSettings(
-                block_size=config.block_size,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                num_gpu_blocks_override=config.num_gpu_blocks_override,
-            ),
-        )
-        try:
-            runner = await asyncio.to_thread(ModelRunner.create, runner_config)
-        # Missing checkpoint files, no memory for the cache, an attention backend that cannot
-        # run this model here (BackendError): one line that says what to change, exit 3.
-        except (ValueError, BackendError) as exc:
-            print(f"kvledger worker: {exc}", file=sys.stderr)
-            raise SystemExit(3) from None
-        if config.served_model_name:
-            runner.name = config.served_model_name
-        await WorkerService(config, r, runner, tracer).run()
-
-    return run_service("worker", config, main)
-
-
-def run_gateway(config: GatewayConfig) -> int:
-    from gateway.app import serve
-    from kvledger.runtime import require_redis_url, setup_observability
-    from observability import shutdown_tracing
-    from services.startup import run_event_loop
-
-    require_redis_url(config, "gateway")
-    setup_observability("gateway", config)
-    try:
-        run_event_loop(serve(config))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        shutdown_tracing()
-    return 0
-
-
-def run_indexer(config: IndexerConfig) -> int:
-    from indexer import serve
-    from kvledger.runtime import require_redis_url, setup_observability
-    from observability import shutdown_tracing
-    from services.environment import ConfigError
-    from services.startup import run_event_loop
-
-    require_redis_url(config, "indexer")
-    setup_observability("indexer", config)
-    try:
-        run_event_loop(serve(config))
-    except ConfigError as exc:
-        print(f"kvledger indexer: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        pass
-    finally:
-        shutdown_tracing()
-    return 0
 
 
 if __name__ == "__main__":

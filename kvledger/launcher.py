@@ -19,20 +19,46 @@ from typing import cast
 
 from redis.exceptions import RedisError
 
-from kvledger.cli import warn_password_on_command_line
+from kvledger.runtime import warn_password_on_command_line
 from kvledger.supervisor import Child, Supervisor
-from services import redis_client, transport, wire
+from services.config import (
+    GatewayConfig,
+    LedgerConfig,
+    WorkerConfig,
+    add_arguments,
+    flag_fields,
+    flag_of,
+)
 from services.environment import ConfigError, env, read_redis_url_file, redact_url
-from services.keys import StreamNames
-from services.messages import LedgerStatus
-from services.redis_server import RedisServer, RedisServerError, free_port
+from services.transport import redis_client, redis_streams
+from services.transport.keys import StreamNames
+from services.transport.redis_server import RedisServer, RedisServerError, free_port
+from services.wire import codec
+from services.wire.messages import LedgerStatus
 
 CPU_KV_CACHE_DEFAULT = "256MiB"
 
 
+# The roles `up` starts, whose flags it takes from their one declaration (services.config).
+ROLE_CONFIGS: dict[str, type] = {
+    "ledger": LedgerConfig,
+    "worker": WorkerConfig,
+    "gateway": GatewayConfig,
+}
+# What `up` sets itself for each child (or declares with a meaning of its own).
+UP_OWNS = frozenset(
+    {"redis_url", "replica", "replicas", "metrics_port", "tp_rank", "tp_size", "worker_id",
+     "gateway_id", "group", "num_workers", "stream_prefix"}
+)  # fmt: skip
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "up", help="start Redis, the ledger, a worker and the gateway on this machine"
+        "up",
+        help="start Redis, the ledger, a worker and the gateway on this machine",
+        description="Start Redis, the ledger, a worker and the gateway on this machine. Every "
+        "flag of `kvledger ledger`, `worker` and `gateway` is taken and passed to the roles that "
+        f"declare it; on the CPU the KV cache defaults to {CPU_KV_CACHE_DEFAULT} per worker.",
     )
     p.add_argument(
         "--redis-url",
@@ -43,70 +69,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--redis-url-file",
         default=None,
         help="a file holding the Redis URL (env KVLEDGER_REDIS_URL_FILE)",
-    )
-    p.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        help="address of each ledger's /metrics and /health (0.0.0.0: every interface)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="gateway bind address")
-    p.add_argument("--port", type=int, default=8000, help="gateway port")
-    p.add_argument(
-        "--model",
-        default=None,
-        help="model folder (Hugging Face layout) or 'default' (default: default, the seeded tiny Llama)",
-    )
-    p.add_argument("--device", default=None, help="auto, cpu or cuda (default: auto)")
-    p.add_argument(
-        "--kernels",
-        default=None,
-        help="attention backend: auto (CUDA kernels on a GPU, torch reference on the CPU), cuda "
-        "or reference (default: auto)",
-    )
-    p.add_argument(
-        "--kv-cache-memory-bytes",
-        default=None,
-        help=f"KV cache per worker (default on the CPU: {CPU_KV_CACHE_DEFAULT}; on CUDA: profiled)",
-    )
-    p.add_argument(
-        "--num-gpu-blocks-override",
-        default=None,
-        help="pin the block count, for tests and benchmarks (default: profiled)",
-    )
-    p.add_argument("--max-model-len", default=None, help="tokens per request (default: 2048)")
-    p.add_argument("--block-size", default=None, help="tokens per KV block (default: 16)")
-    p.add_argument("--max-num-seqs", default=None, help="running requests per step (default: 64)")
-    p.add_argument(
-        "--max-num-batched-tokens", default=None, help="token budget per step (default: 2048)"
-    )
-    p.add_argument(
-        "--watermark", default=None, help="share of blocks kept free at admission (default: 0)"
-    )
-    p.add_argument(
-        "--scheduling-policy",
-        choices=("fcfs", "priority"),
-        default=None,
-        help="the ledger's scheduling policy (default: fcfs; env KVLEDGER_SCHEDULING_POLICY)",
-    )
-    p.add_argument(
-        "--hash-algo",
-        "--prefix-caching-hash-algo",
-        choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"),
-        default=None,
-        help="prefix-cache block hash (default: sha256; env KVLEDGER_HASH_ALGO)",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        choices=("0", "1"),
-        default=None,
-        help="1: the ledger schedules a step ahead of the workers, 0: lock-step "
-        "(default: 1; env KVLEDGER_ASYNC_SCHEDULING)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="name on /v1/models (default: the model folder's name, or kvledger-tiny-llama; "
-        "env KVLEDGER_MODEL_NAME)",
     )
     p.add_argument(
         "--replicas",
@@ -124,12 +86,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "gloo on the CPU, NCCL on CUDA); a killed rank is restarted and the group re-forms",
     )
     p.add_argument(
-        "--routing",
-        choices=("round_robin", "least_loaded", "approx", "precise"),
-        default=None,
-        help="the gateway's routing across replicas (default: precise; env KVLEDGER_ROUTING)",
-    )
-    p.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -138,53 +94,56 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for the ledger"
     )
+    declared: set[str] = set(UP_OWNS)
+    for cls in ROLE_CONFIGS.values():
+        added = add_arguments(p, cls, skip=declared)
+        declared |= {flag_of(f) for f in added} | {f.name for f in added}
     p.set_defaults(func=cmd_up)
 
 
+def role_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """The flags given to `up` that `role` declares, as that role's command line."""
+    argv = []
+    for f in flag_fields(ROLE_CONFIGS[role]):
+        if f.name in UP_OWNS:
+            continue
+        value = getattr(args, _dest_of(args, flag_of(f)), None)
+        if value is not None:
+            argv += [flag_of(f), str(value)]
+    return argv
+
+
+def _dest_of(args: argparse.Namespace, flag: str) -> str:
+    """The attribute `up`'s parser stores `flag` under: the field of the first role that
+    declares it (the gateway's --served-model-name is the worker's)."""
+    for cls in ROLE_CONFIGS.values():
+        for f in flag_fields(cls):
+            if flag_of(f) == flag and hasattr(args, f.name):
+                return f.name
+    return flag.lstrip("-").replace("-", "_")
+
+
 def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["KVLEDGER_REDIS_URL"] = redis_url
-    env["KVLEDGER_HOST"] = args.host
-    env["KVLEDGER_PORT"] = str(args.port)
-    env["KVLEDGER_METRICS_PORT"] = str(metrics_port)
-    env["KVLEDGER_METRICS_HOST"] = args.metrics_host
-    env.pop("KVLEDGER_REDIS_URL_FILE", None)  # resolved here: the children get the URL itself
-    flags = {
-        "KVLEDGER_MODEL": args.model,
-        "KVLEDGER_DEVICE": args.device,
-        "KVLEDGER_KERNELS": args.kernels,
-        "KVLEDGER_KV_CACHE_MEMORY_BYTES": args.kv_cache_memory_bytes,
-        "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": args.num_gpu_blocks_override,
-        "KVLEDGER_MAX_MODEL_LEN": args.max_model_len,
-        "KVLEDGER_BLOCK_SIZE": args.block_size,
-        "KVLEDGER_MAX_NUM_SEQS": args.max_num_seqs,
-        "KVLEDGER_MAX_NUM_BATCHED_TOKENS": args.max_num_batched_tokens,
-        "KVLEDGER_WATERMARK": args.watermark,
-        "KVLEDGER_SCHEDULING_POLICY": args.scheduling_policy,
-        "KVLEDGER_HASH_ALGO": args.hash_algo,
-        "KVLEDGER_ASYNC_SCHEDULING": args.async_scheduling,
-        "KVLEDGER_MODEL_NAME": args.served_model_name,
-        "KVLEDGER_ROUTING": args.routing,
-    }
-    env.update({k: str(v) for k, v in flags.items() if v is not None})
-    if not env.get("KVLEDGER_KV_CACHE_MEMORY_BYTES") and not _cuda_wanted(
-        env.get("KVLEDGER_DEVICE", "auto")
+    """The environment every child shares: this one, with the Redis URL `up` resolved and the
+    CPU's default KV cache size when neither a flag nor a variable sets one."""
+    env_ = dict(os.environ)
+    env_["KVLEDGER_REDIS_URL"] = redis_url
+    env_["KVLEDGER_METRICS_PORT"] = str(metrics_port)
+    env_.pop("KVLEDGER_REDIS_URL_FILE", None)  # resolved here: the children get the URL itself
+    device = args.device or env_.get("KVLEDGER_DEVICE", "auto")
+    if (
+        args.kv_cache_memory_bytes is None
+        and not env_.get("KVLEDGER_KV_CACHE_MEMORY_BYTES")
+        and not _cuda_wanted(device)
     ):
-        env["KVLEDGER_KV_CACHE_MEMORY_BYTES"] = CPU_KV_CACHE_DEFAULT
-    return env
+        env_["KVLEDGER_KV_CACHE_MEMORY_BYTES"] = CPU_KV_CACHE_DEFAULT
+    return env_
 
 
 def _cuda_wanted(device: str) -> bool:
-    if device == "cpu":
-        return False
-    if device == "cuda":
-        return True
-    try:
-        import torch
+    from gpu_worker.devices import resolve_device
 
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+    return resolve_device(device).type == "cuda"
 
 
 def redis_url_of(args: argparse.Namespace) -> str | None:
@@ -230,10 +189,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     metrics_port = ports[0]
     env_ = _child_env(args, redis_url, metrics_port)
     prefix = env_.get("KVLEDGER_STREAM_PREFIX", "kvl")
+    routing = args.routing or env_.get("KVLEDGER_ROUTING", "precise")
     supervisor = Supervisor(
         [
-            Child(role, [sys.executable, "-m", "kvledger.cli", role.split("-")[0]], child_env)
-            for role, child_env in _roles(env_, replicas, ports, args.tensor_parallel_size)
+            Child(
+                name,
+                [sys.executable, "-m", "kvledger.cli", role, *role_flags(args, role)],
+                child_env,
+            )
+            for name, child_env in _roles(env_, replicas, ports, args.tensor_parallel_size)
+            for role in [name.split("-")[0]]
         ]
     )
     supervisor.install_signal_handlers()
@@ -247,12 +212,18 @@ def cmd_up(args: argparse.Namespace) -> int:
             if status is None:
                 return 0 if supervisor.stopping else 1
         assert status is not None
-        _banner(status, args.host, args.port, metrics_port, args.metrics_host)
+        _banner(
+            status,
+            args.host or env_.get("KVLEDGER_HOST", "127.0.0.1"),
+            int(args.port or env_.get("KVLEDGER_PORT", 8000)),
+            metrics_port,
+            args.metrics_host or env_.get("KVLEDGER_METRICS_HOST", "127.0.0.1"),
+        )
         if len(replicas) > 1:
             print(
                 f"kvledger up: {len(replicas)} replicas ({', '.join(replicas)}; ledger metrics "
                 f"on ports {', '.join(map(str, ports))}), routing "
-                f"{env_.get('KVLEDGER_ROUTING', 'precise')}",
+                f"{routing}",
                 flush=True,
             )
         # From here on a child that exits is restarted (with backoff) until Ctrl-C / SIGTERM.
@@ -324,7 +295,7 @@ def _wait_for_ledger(
             try:
                 data = cast("bytes | None", client.get(streams.ledger_status))
             except (RedisError, OSError) as exc:
-                if not transport.is_unavailable(exc):
+                if not redis_streams.is_unavailable(exc):
                     raise
                 if down_since is None:
                     down_since = time.monotonic()
@@ -344,7 +315,7 @@ def _wait_for_ledger(
                 deadline = time.monotonic() + timeout
                 delay_s, down_since = REDIS_WAIT_MIN_S, None
             if data:
-                return wire.decode(data, LedgerStatus)
+                return codec.decode(data, LedgerStatus)
             time.sleep(0.2)
     finally:
         client.close()

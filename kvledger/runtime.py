@@ -9,7 +9,6 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import redis.asyncio as aioredis
 from opentelemetry.trace import Tracer
 
 from observability import (
@@ -21,9 +20,8 @@ from observability import (
     shutdown_tracing,
 )
 from services.config import CommonConfig
-from services.environment import env, redis_password, secret_values
-from services.startup import run_event_loop
-from services.transport import connect
+from services.environment import ConfigError, env, redact_url, redis_password, secret_values
+from services.startup import StartupError, run_event_loop
 
 
 def require_redis_url(config: CommonConfig, service: str) -> str:
@@ -57,36 +55,53 @@ def setup_observability(service: str, config: CommonConfig) -> Tracer | None:
     return get_tracer(name) if setup_tracing(name, tracing_settings()) else None
 
 
-def run_service(
-    service: str,
-    config: CommonConfig,
-    main: Callable[[aioredis.Redis, Tracer | None], Coroutine[Any, Any, None]],
+def run_role(
+    role: str, config: CommonConfig, serve: Callable[[Any], Coroutine[Any, Any, None]]
 ) -> int:
-    """Run `main(redis, tracer)` until it returns or SIGINT/SIGTERM; returns the exit code."""
-    log = get_logger(f"kvledger.{service}")
-    url = require_redis_url(config, service)
-    tracer = setup_observability(service, config)
+    """Run a role's `serve(config)` until it returns or SIGINT/SIGTERM cancels it, with logging
+    and tracing set up first; returns the exit code. A `StartupError` (or a setting that does
+    not parse) is one line on stderr and its exit code; anything else is logged and exits 1."""
+    log = get_logger(f"kvledger.{role}")
+    require_redis_url(config, role)
+    setup_observability(role, config)
 
     async def runner() -> int:
-        r = connect(url)
-        task = asyncio.create_task(main(r, tracer))
+        task = asyncio.create_task(serve(config))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
+            # A role may install its own (the gateway drains on SIGTERM): it replaces this one.
+            with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, task.cancel)
         try:
             await task
-            return 0
         except asyncio.CancelledError:
             log.info("service_stopped")
-            return 0
-        finally:
-            await r.aclose()
+        return 0
 
     try:
         return run_event_loop(runner())
+    except StartupError as exc:
+        print(f"kvledger {role}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ConfigError as exc:
+        print(f"kvledger {role}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
     except Exception as exc:  # the last word a service says: one clear line, then the traceback
         log.exception("service_crashed", error=str(exc))
         return 1
     finally:
         shutdown_tracing()
+
+
+def warn_password_on_command_line(command: str, flag_value: str | None) -> None:
+    """A password in --redis-url shows in `ps` to every user of the machine: say so once."""
+    if flag_value and redis_password(flag_value):
+        print(
+            f"kvledger {command}: warning: --redis-url {redact_url(flag_value)} carries a "
+            "password on the command line, where `ps` shows it; use KVLEDGER_REDIS_URL or "
+            "KVLEDGER_REDIS_URL_FILE instead",
+            file=sys.stderr,
+            flush=True,
+        )

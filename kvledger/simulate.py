@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvledger.workloads import SimRequest, synthetic_token
-from ledger.core.block_pool import BlockPool
-from ledger.core.capacity import cdiv
-from ledger.core.hashing import BlockHasher
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request
-from ledger.core.scheduler import Scheduler, SchedulerConfig
+from ledger.block_pool import BlockPool
+from ledger.capacity import cdiv
+from ledger.hashing import BlockHasher
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request
+from ledger.scheduler import Scheduler, SchedulerConfig
 
 BLOG_POOL_TOKENS = 100_000
 BLOG_MAX_MODEL_LEN = 4096

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kvledger.report import format_table
-from ledger.core.capacity import (
+from ledger.capacity import (
     KVCacheShape,
     capacity_line,
     check_enough_kv_cache_memory,
@@ -16,7 +16,7 @@ from ledger.core.capacity import (
     kv_budget_from_utilization,
     num_blocks_from_memory,
 )
-from ledger.core.hashing import HASH_ALGOS, BlockHasher, resolve_none_hash_seed, to_event_hash
+from ledger.hashing import HASH_ALGOS, BlockHasher, resolve_none_hash_seed, to_event_hash
 from services.config import parse_bytes
 
 
@@ -154,7 +154,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     import asyncio
 
     from services.environment import env
-    from services.subscriber import print_events
+    from services.events.subscriber import print_events
 
     url = args.redis_url or env("KVLEDGER_REDIS_URL")
     if not url:

@@ -1,6 +1,9 @@
-"""The ledger: vLLM's KV-cache bookkeeping, in two layers.
+"""The ledger core: vLLM 0.33's KV-cache ledger as a library (the bottom layer).
 
-`ledger.core` is the library (block pool, prefix cache, KV cache manager, scheduler, KV events,
-capacity sizing): plain Python that never imports Redis, aiohttp, torch or any service code.
-`ledger.service` is the ledger service: the thin shell that runs the core behind Redis Streams.
+Block ids and reference counts (`block`, `block_pool`), prefix-cache hashes (`hashing`), the
+KV cache manager (`kv_cache_manager`), the scheduler (`scheduler`, `request_queue`,
+`scheduler_output`), vLLM's KV-cache events (`events`) and capacity sizing (`capacity`).
+Deterministic and I/O-free: it imports no Redis, aiohttp, torch and nothing of kvledger's
+other packages (checked by the import contracts in pyproject.toml). The service that runs it
+behind Redis Streams is `engine/`.
 """

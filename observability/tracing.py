@@ -162,6 +162,14 @@ def get_tracer(service_name: str, instrumentation: str = "kvledger") -> Tracer:
     return provider.get_tracer(instrumentation, _version())
 
 
+def tracer_if_on(service_name: str, instrumentation: str = "kvledger") -> Tracer | None:
+    """`service_name`'s tracer when tracing is on for it, else None: a role then skips
+    building spans altogether (the ledger and the worker, whose hot paths make many)."""
+    if _providers.get(_settings.service_name or service_name) is None:
+        return None
+    return get_tracer(service_name, instrumentation)
+
+
 def shutdown_tracing(timeout_s: float = 5.0) -> None:
     """Flush and close every provider set up here; safe to call twice, or when tracing is off."""
     with _lock:

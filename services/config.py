@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Container
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeVar, cast
 
 from services.environment import ConfigError, env
-from services.keys import StreamNames
+from services.transport.keys import StreamNames
 
 C = TypeVar("C")
 
@@ -209,7 +209,9 @@ class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
         "KVLEDGER_METRICS_PORT", 9100, "Prometheus /metrics and /health port (0: off)", int
     )
     metrics_host: str = _opt(
-        "KVLEDGER_METRICS_HOST", "0.0.0.0", "address of the metrics and health endpoint"
+        "KVLEDGER_METRICS_HOST",
+        "127.0.0.1",
+        "address of the metrics and health endpoint (0.0.0.0: every interface)",
     )
     step_timeout_s: float = _opt(
         None, 600.0, "seconds a worker may take for one step before it is dropped", float
@@ -386,14 +388,28 @@ class IndexerConfig(CommonConfig, HttpServerConfig):
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One --flag per field; its help shows the built-in default and the environment variable
-    (the flag beats the variable, which beats the default)."""
-    for f in fields(cls):
-        meta = f.metadata
-        if not meta or meta.get("help") is None:
+def flag_of(f: Field[Any]) -> str:
+    """The flag a config field is set with (vLLM's name first where it has one)."""
+    return (f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),))[0]
+
+
+def flag_fields(cls: type) -> list[Field[Any]]:
+    """The fields of a config class that are flags (those with a help text)."""
+    return [f for f in fields(cls) if f.metadata and f.metadata.get("help") is not None]
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, cls: type, skip: Container[str] = ()
+) -> list[Field[Any]]:
+    """One --flag per field (but those named in `skip`, by field name or flag); its help shows
+    the built-in default and the environment variable (the flag beats the variable, which beats
+    the default). Returns the fields added."""
+    added = []
+    for f in flag_fields(cls):
+        if f.name in skip or flag_of(f) in skip:
             continue
-        flags = meta.get("flags") or ("--" + f.name.replace("_", "-"),)
+        meta = f.metadata
+        flags = meta.get("flags") or (flag_of(f),)
         env_name = meta.get("env")
         shown = "" if "(default" in meta["help"] else f"default: {_shown(f.default)}"
         where = "; ".join(part for part in (shown, f"env {env_name}" if env_name else "") if part)
@@ -401,6 +417,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         parser.add_argument(
             *flags, dest=f.name, default=None, help=help_text, metavar=f.name.upper()
         )
+        added.append(f)
+    return added
 
 
 def _shown(value: Any) -> str:

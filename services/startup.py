@@ -1,4 +1,5 @@
-"""What a service does once it is built, before it serves: move start-up's objects out of GC.
+"""What a service does once it is built, before it serves: move start-up's objects out of GC
+(and `StartupError`, what a role raises when it cannot start).
 
 Everything alive after start-up (modules, the model's Python objects, the block pool's
 KVCacheBlocks, the tokenizer) lives as long as the process. Left in the oldest generation it
@@ -17,6 +18,16 @@ from typing import Any, TypeVar
 from services.environment import env
 
 T = TypeVar("T")
+
+
+class StartupError(RuntimeError):
+    """A role cannot start with what it was given or found (the message says what to change).
+    `kvledger ROLE` prints the message alone on one line and exits with `exit_code`: 2 for a
+    setting that cannot work, 3 for what the machine or the other services make impossible."""
+
+    def __init__(self, message: str, exit_code: int = 3) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def freeze_after_startup() -> int:

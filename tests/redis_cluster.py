@@ -14,7 +14,7 @@ import time
 
 import redis
 
-from services.redis_server import RedisServer, free_port
+from services.transport.redis_server import RedisServer, free_port
 
 SLOTS = 16384
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.redis_server import free_port
+from services.transport.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BANNER_END = "Press Ctrl-C to stop."

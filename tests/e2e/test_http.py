@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from gpu_worker.checkpoint import load_model
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
 from tests.e2e.conftest import metric_value, serve
 from tests.e2e.test_traces import complete, token_prompts
 from tests.services.stack import dense_greedy
@@ -135,7 +135,7 @@ def test_up_refuses_to_start_when_one_max_model_len_request_cannot_fit():
     import subprocess
     import sys
 
-    from services.redis_server import free_port
+    from services.transport.redis_server import free_port
     from tests.e2e.conftest import ROOT, _hermetic_env
 
     done = subprocess.run(
@@ -154,7 +154,7 @@ def test_up_refuses_cuda_kernels_on_the_cpu_with_what_to_change():
     import subprocess
     import sys
 
-    from services.redis_server import free_port
+    from services.transport.redis_server import free_port
     from tests.e2e.conftest import ROOT, _hermetic_env
 
     done = subprocess.run(

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from kvledger.processes import ServiceProcess
-from services import wire
-from services.keys import StreamNames
-from services.messages import LedgerStatus
-from services.redis_server import RedisServer, free_port
+from services.transport.keys import StreamNames
+from services.transport.redis_server import RedisServer, free_port
+from services.wire import codec
+from services.wire.messages import LedgerStatus
 from tests.e2e.conftest import _hermetic_env
+from tests.harness.processes import ServiceProcess
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def _complete(url: str, index: int) -> Outcome:
 
 def _status(client: redis.Redis, replica: str) -> LedgerStatus | None:
     data = client.get(StreamNames(PREFIX, replica).ledger_status)
-    return wire.decode(data, LedgerStatus) if data else None
+    return codec.decode(data, LedgerStatus) if data else None
 
 
 @pytest.mark.parametrize("victim", ["ledger", "worker"])

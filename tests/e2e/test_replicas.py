@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from services.redis_server import free_port
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
+from services.transport.redis_server import free_port
 from tests.e2e.conftest import launch, serving
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.redis_server import _ping, find_redis_server, free_port
+from services.transport.redis_server import _ping, find_redis_server, free_port
 from tests.e2e.conftest import Served, launch, metric_value
 
 BOUND_S = 45.0  # a request in flight during a fault ends within this (recovery + recompute)

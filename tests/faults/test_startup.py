@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvledger.processes import ServiceProcess
-from services.redis_server import free_port
+from services.transport.redis_server import free_port
 from tests.e2e.conftest import launch
 from tests.faults.conftest import MODEL, Redis, complete
+from tests.harness.processes import ServiceProcess
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ def test_kvledger_up_on_an_external_redis_not_up_yet_waits_for_it_then_serves():
 @pytest.mark.parametrize("role", ["ledger", "gateway"])
 def test_a_wrong_redis_password_fails_at_once_instead_of_waiting_forever(role):
     # A refused password is not an outage: retrying would wait for ever behind a log line.
-    from services.redis_server import RedisServer
+    from services.transport.redis_server import RedisServer
 
     server = RedisServer(extra_args=("--requirepass", "right-password")).start()
     try:

@@ -11,9 +11,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway import create_app
-from services import transport
 from services.config import GatewayConfig
-from services.redis_server import RedisServer
+from services.transport import redis_streams
+from services.transport.redis_server import RedisServer
 from tests.gateway.fake_ledger import FakeLedger, Script
 from tests.gateway.helpers import GATEWAY_ID
 
@@ -52,7 +52,7 @@ def make_config(redis_url: str, prefix: str):
 
 @pytest.fixture
 async def redis(redis_url: str):
-    client = transport.connect(redis_url)
+    client = redis_streams.connect(redis_url)
     yield client
     await client.aclose()
 

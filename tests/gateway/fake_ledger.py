@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from services import transport, wire
-from services.keys import StreamNames
-from services.messages import (
+from services.tokenization.tokenizer import ByteTokenizer
+from services.transport import redis_streams
+from services.transport.keys import StreamNames
+from services.wire import codec
+from services.wire.messages import (
     AbortRequest,
     GenerateRequest,
     LedgerStatus,
@@ -22,7 +24,6 @@ from services.messages import (
     RequestOutput,
     TokenLogprobs,
 )
-from services.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.EOS_ID
 TEXT = "Hello from the fake ledger! "
@@ -143,7 +144,7 @@ class FakeLedger:
     async def __aenter__(self) -> FakeLedger:
         self.streams = StreamNames(self.prefix)
         # Every answer is its own task: they wait for a connection rather than fail past a cap.
-        self.redis = transport.connect_pooled(self.redis_url, 64, 30.0)
+        self.redis = redis_streams.connect_pooled(self.redis_url, 64, 30.0)
         self._answers: dict[str, asyncio.Task] = {}
         await self._write_status()
         self._tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._serve())]
@@ -168,7 +169,7 @@ class FakeLedger:
 
     async def _write_status(self) -> None:
         await self.redis.set(
-            self.streams.ledger_status, wire.encode(self.status()), px=STATUS_TTL_MS
+            self.streams.ledger_status, codec.encode(self.status()), px=STATUS_TTL_MS
         )
 
     async def _heartbeat(self) -> None:
@@ -179,11 +180,11 @@ class FakeLedger:
     async def _serve(self) -> None:
         last_id: bytes | str = "0-0"
         while True:
-            for entry_id, fields in await transport.read_from(
+            for entry_id, fields in await redis_streams.read_from(
                 self.redis, self.streams.requests, last_id, block_ms=200
             ):
                 last_id = entry_id
-                self._handle(wire.decode(fields[transport.FIELD]))
+                self._handle(codec.decode(fields[redis_streams.FIELD]))
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, AbortRequest):
@@ -201,7 +202,7 @@ class FakeLedger:
         for out in outputs_for(req, self.script):
             if self.script.delay_s:
                 await asyncio.sleep(self.script.delay_s)
-            await transport.append(self.redis, stream, OutputBatch(outputs=[out]))
+            await redis_streams.append(self.redis, stream, OutputBatch(outputs=[out]))
         self._answers.pop(req.req_id, None)
 
     async def wait_for_requests(
@@ -226,4 +227,4 @@ async def _until(predicate: Callable[[], bool], timeout: float, what: str) -> No
 async def request_stream(redis: aioredis.Redis, prefix: str) -> list[object]:
     """Every message on the real requests stream, decoded, oldest first."""
     entries = await redis.xrange(StreamNames(prefix).requests)
-    return [wire.decode(fields[transport.FIELD]) for _, fields in entries]
+    return [codec.decode(fields[redis_streams.FIELD]) for _, fields in entries]

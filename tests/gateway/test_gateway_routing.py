@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing import parse_weights
+from gateway.router import parse_weights
 from services.config import GatewayConfig, from_arguments
 from services.environment import ConfigError
-from services.routing import RoutingWeights
+from services.routing.policy import RoutingWeights
 
 
 def test_weights_override_the_defaults_one_by_one():

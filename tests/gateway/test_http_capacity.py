@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 
 from gateway.app import redis_pool_size
-from services import transport
+from services.transport import redis_streams
 from tests.gateway.fake_ledger import TEXT, Script
 
 CONCURRENT = 160  # above redis-py's default cap of 100 connections
@@ -19,7 +19,7 @@ async def test_more_requests_than_redis_pools_default_cap_are_all_served(
 ):
     await start_ledger(Script(delay_s=0.05))
     client = await start_gateway(max_queue=256, request_timeout_s=60.0)
-    admin = transport.connect(redis_url)
+    admin = redis_streams.connect(redis_url)
     # Writes pause: every request's XADD waits in Redis holding a connection, so all of them
     # need one at the same moment (redis-py's default pool refused the 101st: a 503).
     await admin.execute_command("CLIENT", "PAUSE", 1500, "WRITE")

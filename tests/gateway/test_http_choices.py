@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import aiohttp
 
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
 from tests.gateway.fake_ledger import TEXT, Script
 from tests.gateway.helpers import read_sse
 

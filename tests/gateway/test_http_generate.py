@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.messages import AbortRequest, GenerateRequest
-from services.tokenizer import BYTE_CHAT_TEMPLATE, ByteTokenizer, render_chat_template
+from services.tokenization.tokenizer import BYTE_CHAT_TEMPLATE, ByteTokenizer, render_chat_template
+from services.wire.messages import AbortRequest, GenerateRequest
 from tests.gateway.fake_ledger import EOS, TEXT, Script, request_stream
 from tests.gateway.helpers import GATEWAY_ID, read_sse
 

@@ -17,10 +17,9 @@ from opentelemetry.trace import SpanKind
 
 from gateway import create_app, serve
 from observability import Attr, LedgerSnapshot
-from services import transport
-from services.keys import StreamNames
-from services.messages import AbortRequest, OutputBatch, RequestOutput
-from services.redis_server import RedisServer, free_port
+from services.transport.keys import StreamNames
+from services.transport.redis_server import RedisServer, free_port
+from services.wire.messages import AbortRequest, OutputBatch, RequestOutput
 from tests.gateway.fake_ledger import TEXT, Script, request_stream
 from tests.gateway.helpers import GATEWAY_ID, assert_error, read_sse
 
@@ -126,7 +125,7 @@ async def test_outputs_for_unknown_requests_and_garbage_are_ignored(
     streams = StreamNames(prefix)
     outputs = streams.outputs(GATEWAY_ID)
     gone = RequestOutput("cmpl-gone", [1, 2], finished=True)
-    await transport.append(redis, outputs, OutputBatch(outputs=[gone]))
+    await streams.append(redis, outputs, OutputBatch(outputs=[gone]))
     await redis.xadd(outputs, {b"m": b"not msgpack at all"})
     resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
     assert (await resp.json())["choices"][0]["text"] == TEXT[:4]

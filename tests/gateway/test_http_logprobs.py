@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
 from tests.gateway.fake_ledger import TEXT, fake_logprobs
 from tests.gateway.helpers import assert_error, read_sse
 

@@ -4,8 +4,8 @@ continuous usage, request_id, the chat template's fields and the answer's role."
 
 from __future__ import annotations
 
-from services.messages import GenerateRequest
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
+from services.wire.messages import GenerateRequest
 from tests.gateway.fake_ledger import EOS, TEXT, Script, request_stream
 from tests.gateway.helpers import read_sse
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.outputs import TokenTracker
-from services.messages import RequestOutput
+from gateway.output_reader import TokenTracker
+from services.wire.messages import RequestOutput
 
 
 def out(position, ids, reason=None, **kw):

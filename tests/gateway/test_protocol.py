@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.bodies import Meta, Usage, chunk_body, final_body, sse
 from gateway.fields import ApiError
 from gateway.protocol import (
     Limits,
@@ -16,10 +17,9 @@ from gateway.protocol import (
     resolve,
     sampling_params,
 )
-from gateway.responses import Meta, Usage, chunk_body, final_body, sse
-from services import wire
-from services.messages import GenerateRequest
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
+from services.wire import codec
+from services.wire.messages import GenerateRequest
 
 TOK = ByteTokenizer()
 BOS = ByteTokenizer.BOS_ID
@@ -188,4 +188,4 @@ def test_any_body_is_either_a_valid_wire_request_or_a_4xx_naming_a_field(body, c
         assert err.param is None or err.param.split("[")[0].split(".")[0] in FIELDS
         return
     message = GenerateRequest("r", "g", job.prompt_token_ids, params, 0.0, job.priority)
-    assert wire.decode(wire.encode(message)) == message
+    assert codec.decode(codec.encode(message)) == message

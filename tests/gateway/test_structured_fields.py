@@ -1,5 +1,5 @@
 """Structured outputs at the gateway: response_format and structured_outputs become one compiled
-grammar on the wire (services.messages.StructuredOutput), and a bad schema, regex, grammar or
+grammar on the wire (services.wire.messages.StructuredOutput), and a bad schema, regex, grammar or
 combination is a 400 naming the field, with nothing enqueued."""
 
 from __future__ import annotations

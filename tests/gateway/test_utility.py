@@ -17,7 +17,7 @@ from gateway.support import (
     STRUCTURED_OUTPUTS_FIELDS,
     TOKENIZE_FIELDS,
 )
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
 from tests.gateway.helpers import assert_error
 
 BOS = ByteTokenizer.BOS_ID

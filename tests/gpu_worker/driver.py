@@ -11,7 +11,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from gpu_worker.runner import ModelRunner, StepOutput
-from services.messages import CachedRequestData, NewRequestData, SamplingParams, StepMessage
+from services.wire.messages import CachedRequestData, NewRequestData, SamplingParams, StepMessage
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_worker.checkpoint import CheckpointError, load_checkpoint, read_model_config, resolve_dtype
 from gpu_worker.runner import ModelRunner
-from services.tokenizer import HFTokenizer
+from services.tokenization.tokenizer import HFTokenizer
 from tests.gpu_worker.checkpoints import ARCHITECTURES, make_tiny_checkpoint
 from tests.gpu_worker.driver import MiniLedger, generate_greedy
 

@@ -15,8 +15,8 @@ import transformers
 from gpu_worker.checkpoint import load_checkpoint
 from gpu_worker.logprobs import gather_logprobs
 from gpu_worker.runner import ModelRunner
-from services.messages import SamplingParams, TokenLogprobs
-from services.tokenizer import HFTokenizer
+from services.tokenization.tokenizer import HFTokenizer
+from services.wire.messages import SamplingParams, TokenLogprobs
 from tests.gpu_worker.checkpoints import ARCHITECTURES, make_tiny_checkpoint
 from tests.gpu_worker.driver import MiniLedger
 

@@ -9,7 +9,7 @@ import transformers
 
 from gpu_worker.checkpoint import load_model
 from gpu_worker.model import LlamaForCausalLM, ModelConfig, ModelConfigError, rope_inv_freq
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
 
 HF_LLAMA = dict(
     vocab_size=258,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_worker.runner import RequestsFailed, StepError
-from services.messages import (
+from services.wire.messages import (
     CachedRequestData,
     NewRequestData,
     SamplingParams,

@@ -15,7 +15,7 @@ from gpu_worker.sampler import (
     process_logits,
     sample,
 )
-from services.messages import SamplingParams
+from services.wire.messages import SamplingParams
 from tests.gpu_worker.driver import MiniLedger, generate
 
 PROBS = [0.5, 0.3, 0.15, 0.05]

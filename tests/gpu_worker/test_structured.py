@@ -15,8 +15,8 @@ import torch
 from gpu_worker.checkpoint import load_checkpoint
 from gpu_worker.runner import ModelRunner
 from gpu_worker.structured import GrammarRow, StructuredOutputs, unpack_bitmask
-from services.messages import SamplingParams, StructuredOutput
-from services.tokenizer import ByteTokenizer, HFTokenizer
+from services.tokenization.tokenizer import ByteTokenizer, HFTokenizer
+from services.wire.messages import SamplingParams, StructuredOutput
 from tests.gpu_worker.checkpoints import TOKENIZER_VOCAB, make_tiny_checkpoint
 from tests.gpu_worker.driver import MiniLedger, generate
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from services.tokenizer import (
+from services.tokenization.tokenizer import (
     ByteTokenizer,
     ChatTemplateError,
     HFTokenizer,

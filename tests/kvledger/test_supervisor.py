@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.launcher import _child_env, add_parser, redis_url_of
+from kvledger.launcher import _child_env, add_parser, redis_url_of, role_flags
 from kvledger.supervisor import Child, Supervisor, backoff_delay
+from services.config import LedgerConfig, from_arguments
 from services.environment import ConfigError, read_redis_url_file, redact_url, redis_password
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,11 +105,34 @@ def _up_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["up", *argv])
 
 
-def test_up_binds_ledger_metrics_to_localhost_by_default():
-    args = _up_args()
-    assert _child_env(args, "redis://127.0.0.1:1/0", 9100)["KVLEDGER_METRICS_HOST"] == "127.0.0.1"
-    args = _up_args("--metrics-host", "0.0.0.0")
-    assert _child_env(args, "redis://127.0.0.1:1/0", 9100)["KVLEDGER_METRICS_HOST"] == "0.0.0.0"
+def test_ledger_metrics_bind_to_localhost_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("KVLEDGER_METRICS_HOST", raising=False)
+    assert from_arguments(LedgerConfig).metrics_host == "127.0.0.1"  # `kvledger ledger` alone too
+    assert "--metrics-host" not in role_flags(_up_args(), "ledger")
+    assert role_flags(_up_args("--metrics-host", "0.0.0.0"), "ledger") == [
+        "--metrics-host",
+        "0.0.0.0",
+    ]
+
+
+def test_up_passes_each_flag_to_the_roles_that_declare_it():
+    args = _up_args("--dtype", "float32", "--routing-weights", "waiting=4", "--max-num-seqs", "8",
+                    "--served-model-name", "m", "--log-level", "debug")  # fmt: skip
+
+    def given(role: str) -> dict[str, str]:
+        flags = role_flags(args, role)
+        return dict(zip(flags[::2], flags[1::2], strict=True))
+
+    assert given("worker") == {
+        "--log-level": "debug", "--max-num-seqs": "8", "--served-model-name": "m",
+        "--dtype": "float32",
+    }  # fmt: skip
+    assert given("gateway") == {
+        "--log-level": "debug", "--served-model-name": "m", "--routing-weights": "waiting=4",
+    }  # fmt: skip
+    assert given("ledger") == {"--log-level": "debug", "--max-num-seqs": "8"}
+    env = _child_env(args, "redis://127.0.0.1:1/0", 9100)
+    assert env["KVLEDGER_REDIS_URL"] == "redis://127.0.0.1:1/0"
 
 
 def test_redis_url_from_a_file_and_the_password_never_printed(tmp_path, monkeypatch, capsys):

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.core.hashing import BlockHasher
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request
+from ledger.hashing import BlockHasher
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request
 
 
 @pytest.fixture(params=["sha256", "sha256_cbor"])

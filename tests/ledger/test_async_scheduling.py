@@ -8,11 +8,11 @@ from collections import deque
 
 import pytest
 
-from ledger.core.events import BlockStored
-from ledger.core.hashing import BlockHasher
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request, RequestStatus
-from ledger.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.events import BlockStored
+from ledger.hashing import BlockHasher
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request, RequestStatus
+from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 4
 HASHER = BlockHasher("sha256", seed="async")

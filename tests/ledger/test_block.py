@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.core.block import FreeKVCacheBlockQueue, KVCacheBlock
+from ledger.block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def ids(queue: FreeKVCacheBlockQueue) -> list[int]:

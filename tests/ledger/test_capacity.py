@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.core.capacity import (
+from ledger.capacity import (
     KVCacheShape,
     capacity_line,
     check_enough_blocks,

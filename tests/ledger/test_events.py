@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from ledger.core.events import (
+from ledger.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -15,9 +15,9 @@ from ledger.core.events import (
     decode_batch_generic,
     encode_batch,
 )
-from ledger.core.hashing import BlockHasher
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request
+from ledger.hashing import BlockHasher
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request
 
 # What vLLM 0.33.0 published (msgspec.msgpack.Encoder over KVCacheManager.take_events()) for the
 # scenario in test_events_of_a_real_scenario_are_byte_identical_to_vllm: 4 blocks of 16, sha256,

@@ -8,7 +8,7 @@ import pickle
 import cbor2
 import pytest
 
-from ledger.core.hashing import (
+from ledger.hashing import (
     DEFAULT_NONE_HASH_SEED,
     BlockHasher,
     block_extra_keys,

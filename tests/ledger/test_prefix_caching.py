@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from ledger.core.hashing import to_event_hash
-from ledger.core.kv_cache_manager import KVCacheManager
+from ledger.events import AllBlocksCleared, BlockRemoved, BlockStored
+from ledger.hashing import to_event_hash
+from ledger.kv_cache_manager import KVCacheManager
 from tests.ledger.conftest import admit, free_order
 
 BS = 16

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.core.hashing import BlockHasher
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request, RequestStatus
-from ledger.core.scheduler import Scheduler, SchedulerConfig
+from ledger.hashing import BlockHasher
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request, RequestStatus
+from ledger.scheduler import Scheduler, SchedulerConfig
 
 BS = 16
 HASHER = BlockHasher("sha256", seed="test")

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ledger.core.events import (
+from ledger.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -19,10 +19,10 @@ from ledger.core.events import (
     decode_batch,
     encode_batch,
 )
-from ledger.core.hashing import BlockHasher, to_event_hash
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request, RequestStatus
-from ledger.core.scheduler import Scheduler, SchedulerConfig
+from ledger.hashing import BlockHasher, to_event_hash
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request, RequestStatus
+from ledger.scheduler import Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12

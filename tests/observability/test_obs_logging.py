@@ -30,9 +30,9 @@ def test_records_inside_a_span_carry_its_trace_and_span_ids(
     configure_logging("kvledger-ledger", stream=stream)
     tracer = TracerProvider().get_tracer("test")  # a recording span, no global provider needed
     with tracer.start_as_current_span("kvledger.admit") as span:
-        get_logger("ledger.core.scheduler").info("request_admitted", request_id="r1", blocks=3)
+        get_logger("ledger.scheduler").info("request_admitted", request_id="r1", blocks=3)
         logging.getLogger("aiohttp.server").warning("client %s went away", "10.0.0.7")
-    get_logger("ledger.core.scheduler").info("step_done")
+    get_logger("ledger.scheduler").info("step_done")
 
     inside_structlog, inside_stdlib, outside = _lines(stream)
     ids = {

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledger.core.block import KVCacheBlock
-from ledger.core.events import KVEventBatch, encode_batch
-from ledger.core.hashing import BlockHasher, resolve_none_hash_seed
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request, RequestStatus
+from ledger.block import KVCacheBlock
+from ledger.events import KVEventBatch, encode_batch
+from ledger.hashing import BlockHasher, resolve_none_hash_seed
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request, RequestStatus
 
 _STATUS = {"running": RequestStatus.RUNNING, "preempted": RequestStatus.PREEMPTED}
 

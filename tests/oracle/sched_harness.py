@@ -5,7 +5,7 @@ both schedulers see the same calls in the same order by construction (arrivals, 
 prefix-cache resets, schedule, the sampled tokens of each step) and differ only in the
 `Backend` that wraps a scheduler.
 
-The loop is the ledger service's (`ledger/service/engine.py`): with async scheduling two steps
+The loop is the ledger service's (`engine/engine.py`): with async scheduling two steps
 are in flight, so step N+1 is scheduled before step N's tokens are back; an empty step is not
 sent. Every sampled token is a fixed function of (request, position), so both sides feed back the
 same tokens for as long as they agree, and EOS (7) in a 50-token vocabulary stops some requests.

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledger.core.events import KVEventBatch, encode_batch
-from ledger.core.hashing import BlockHasher
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request, RequestStatus
-from ledger.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.events import KVEventBatch, encode_batch
+from ledger.hashing import BlockHasher
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request, RequestStatus
+from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tests.oracle.ledger_backend import none_hash_seed
 from tests.oracle.sched_harness import EOS, drive
 

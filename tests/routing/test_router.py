@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from ledger.core.events import KVEventBatch
-from ledger.core.hashing import BlockHasher
-from ledger.core.kv_cache_manager import KVCacheManager
-from ledger.core.request import Request
-from ledger.core.scheduler import Scheduler, SchedulerConfig
-from services.routing import (
+from ledger.events import KVEventBatch
+from ledger.hashing import BlockHasher
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request
+from ledger.scheduler import Scheduler, SchedulerConfig
+from services.routing.policy import (
     HealthLimits,
     NoReplicaError,
     PendingRequests,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.routing_sim import HashedWorkload, RoutingSimulation, StepSpan, saturated_window
-from kvledger.routing_workload import WorkloadConfig, multi_tenant_workload
-from ledger.core.hashing import BlockHasher
+from ledger.hashing import BlockHasher
+from tests.harness.routing_sim import HashedWorkload, RoutingSimulation, StepSpan, saturated_window
+from tests.harness.routing_workload import WorkloadConfig, multi_tenant_workload
 
 CONFIG = WorkloadConfig(num_conversations=90, rate=300.0, num_system_prompts=8, seed=7)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gpu_worker.checkpoint import load_model
-from services.redis_server import RedisServer
+from services.transport.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

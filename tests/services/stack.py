@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.engine import Engine
+from engine.process import LedgerProcess
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.runner import ModelRunner
-from gpu_worker.service import WorkerService
-from ledger.service.engine import LedgerService
-from services import transport, wire
+from gpu_worker.worker import WorkerService
 from services.config import LedgerConfig, WorkerConfig
-from services.messages import (
+from services.transport import redis_streams
+from services.wire import codec
+from services.wire.messages import (
     AbortRequest,
     GenerateRequest,
     OutputBatch,
@@ -76,11 +78,11 @@ class Stack:
             snapshot_interval_s=0.0,
             **ledger_kwargs,
         )
-        self.r = transport.connect(url)
+        self.r = redis_streams.connect(url)
         # Each service gets its own client, as separate processes would: cancelling one (a
         # simulated crash) must not leave a half-read reply on a connection another one uses.
         self.clients: list = []
-        self.ledger: LedgerService | None = None
+        self.ledger_process: LedgerProcess | None = None
         self.tasks: list[asyncio.Task] = []
         self.workers: dict[str, asyncio.Task] = {}
         self.worker_services: dict[str, WorkerService] = {}
@@ -92,9 +94,15 @@ class Stack:
     def streams(self):
         return self.ledger_cfg.streams
 
+    @property
+    def ledger(self) -> Engine:
+        """The running ledger's engine (there once `start` returned)."""
+        assert self.ledger_process is not None and self.ledger_process.engine is not None
+        return self.ledger_process.engine
+
     async def start(self, num_workers: int = 1) -> Stack:
-        self.ledger = LedgerService(self.ledger_cfg, self._client())
-        self.tasks.append(asyncio.create_task(self.ledger.run(), name="ledger"))
+        self.ledger_process = LedgerProcess(self.ledger_cfg, self._client())
+        self.tasks.append(asyncio.create_task(self.ledger_process.run(), name="ledger"))
         for i in range(num_workers):
             await self.start_worker(f"w{i}")
         # XREAD's "$" means "after the newest entry at the time of this call": re-sent on every
@@ -102,11 +110,11 @@ class Stack:
         tail = await self.r.xrevrange(self.streams.outputs(GATEWAY), count=1)
         last = tail[0][0] if tail else b"0-0"
         self._reader = asyncio.create_task(self._read_outputs(last), name="outputs")
-        await asyncio.wait_for(self.ledger.ready.wait(), 30)
+        await asyncio.wait_for(self.ledger_process.ready.wait(), 30)
         return self
 
     def _client(self, name: str | None = None):
-        client = transport.connect(self.url, client_name=name)
+        client = redis_streams.connect(self.url, client_name=name)
         self.clients.append(client)
         return client
 
@@ -116,9 +124,9 @@ class Stack:
         old.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await old
-        self.ledger = LedgerService(self.ledger_cfg, self._client())
-        self.tasks.insert(0, asyncio.create_task(self.ledger.run(), name="ledger"))
-        await asyncio.wait_for(self.ledger.ready.wait(), 30)
+        self.ledger_process = LedgerProcess(self.ledger_cfg, self._client())
+        self.tasks.insert(0, asyncio.create_task(self.ledger_process.run(), name="ledger"))
+        await asyncio.wait_for(self.ledger_process.ready.wait(), 30)
 
     async def start_worker(self, worker_id: str) -> WorkerService:
         runner = self.runner_factory(
@@ -148,7 +156,7 @@ class Stack:
     async def submit(self, req_id: str, prompt: list[int], max_tokens: int, **kwargs) -> None:
         self.results[req_id] = Result()
         sampling = SamplingParams(max_tokens=max_tokens, **kwargs)
-        await transport.append(
+        await redis_streams.append(
             self.r,
             self.streams.requests,
             GenerateRequest(
@@ -161,17 +169,17 @@ class Stack:
         )
 
     async def abort(self, req_id: str) -> None:
-        await transport.append(
+        await redis_streams.append(
             self.r, self.streams.requests, AbortRequest(req_id=req_id, reason="test")
         )
 
     async def _read_outputs(self, last: bytes) -> None:
         while True:
-            for entry_id, fields in await transport.read_from(
+            for entry_id, fields in await redis_streams.read_from(
                 self.r, self.streams.outputs(GATEWAY), last, block_ms=500
             ):
                 last = entry_id
-                msg = wire.decode(fields[transport.FIELD])
+                msg = codec.decode(fields[redis_streams.FIELD])
                 for out in msg.outputs if isinstance(msg, OutputBatch) else [msg]:
                     self._apply(out)
 

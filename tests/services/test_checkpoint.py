@@ -11,13 +11,13 @@ from collections import Counter
 import msgpack
 import redis.asyncio as aioredis
 
-import ledger.service.event_stream as event_stream
-from ledger.core.block_pool import BlockPool
-from ledger.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from ledger.core.events import encode_batch as encode
-from services.checkpoint import CheckpointWriter, OpLog, decode_snapshot, snapshot_counts
-from services.event_hashes import batch_runs
-from services.keys import StreamNames
+import engine.event_stream as event_stream
+from ledger.block_pool import BlockPool
+from ledger.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from ledger.events import encode_batch as encode
+from services.events.runs import batch_runs
+from services.events.snapshot import CheckpointWriter, OpLog, decode_snapshot, snapshot_counts
+from services.transport.keys import StreamNames
 
 
 def stored(*hashes: int) -> BlockStored:
@@ -120,7 +120,7 @@ ORDERED_BATCHES = [
 async def _checkpoint_of(redis_url, tmp_path, old_format: bool):
     """A checkpointing subscriber polled 2 entries at a time over ORDERED_BATCHES; with
     `old_format`, its log rewritten into whole-batch records as earlier releases wrote them."""
-    from services.subscriber import KVEventSubscriber
+    from services.events.subscriber import KVEventSubscriber
 
     r = aioredis.from_url(redis_url)
     prefix = f"t{uuid.uuid4().hex[:8]}"

@@ -11,9 +11,9 @@ import uuid
 import msgpack
 import pytest
 
-import ledger.service.event_stream as event_stream
-from ledger.core.block_pool import BlockPool
-from ledger.core.events import (
+import engine.event_stream as event_stream
+from ledger.block_pool import BlockPool
+from ledger.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -21,11 +21,11 @@ from ledger.core.events import (
     decode_batch,
     encode_batch,
 )
-from services.checkpoint import CLEARED, REMOVED, STORED, OpLog, pack_ops
-from services.event_hashes import HASHES_FIELD, batch_runs, decode_runs, encode_runs
-from services.keys import StreamNames
-from services.subscriber import KVEventSubscriber, PrefixIndex
-from services.transport import connect
+from services.events.runs import HASHES_FIELD, batch_runs, decode_runs, encode_runs
+from services.events.snapshot import CLEARED, REMOVED, STORED, OpLog, pack_ops
+from services.events.subscriber import KVEventSubscriber, PrefixIndex
+from services.transport.keys import StreamNames
+from services.transport.redis_streams import connect
 from tests.ledger.test_events import VLLM_SCENARIO_BATCH
 
 

@@ -12,9 +12,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from indexer import create_app
 from indexer.app import REPLICAS
-from ledger.core.hashing import BlockHasher
+from ledger.hashing import BlockHasher
 from services.config import IndexerConfig
-from services.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
 from tests.services.stack import Stack
 from tests.services.test_ledger_service import prompts
 

@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from services import wire
-from services.keys import StreamNames
-from services.messages import (
+from services.transport.keys import StreamNames
+from services.transport.redis_streams import FIELD
+from services.wire import codec
+from services.wire.messages import (
     GenerateRequest,
     LedgerStatus,
     OutputBatch,
     SamplingParams,
     StepMessage,
 )
-from services.transport import FIELD
 from tests.services.stack import dense_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,14 +114,14 @@ class Replica:
             sampling=SamplingParams(max_tokens=max_tokens), arrival_time=time.time(),
         )  # fmt: skip
         self.tokens[req_id] = []
-        self.r.xadd(self.streams.requests, {FIELD: wire.encode(msg)})
+        self.r.xadd(self.streams.requests, {FIELD: codec.encode(msg)})
 
     def read_outputs(self) -> None:
         reply = self.r.xread({self.streams.outputs(GATEWAY): self.last_output}, block=200)
         for _, items in reply or []:
             for entry_id, fields in items:
                 self.last_output = entry_id
-                batch = wire.decode(fields[FIELD])
+                batch = codec.decode(fields[FIELD])
                 assert isinstance(batch, OutputBatch)
                 for out in batch.outputs:
                     tokens = self.tokens[out.req_id]
@@ -138,7 +138,7 @@ class Replica:
 
     def status(self) -> LedgerStatus | None:
         raw = self.r.get(self.streams.ledger_status)
-        return None if raw is None else wire.decode(raw)
+        return None if raw is None else codec.decode(raw)
 
     def wait_idle(self, timeout: float = 10.0) -> LedgerStatus:
         """The leader's status once nothing runs and every block is free again."""
@@ -234,7 +234,7 @@ def test_a_leader_paused_past_its_lease_cannot_step(replica, tiny_model):
     assert lost, first.tail()
     # It stepped nothing after it resumed, and left the new leader's keys alone.
     steps = replica.r.xrange(replica.streams.steps("default"), count=steps_before + 100)
-    tokens = [wire.decode(f[FIELD]) for _, f in steps[steps_before:]]
+    tokens = [codec.decode(f[FIELD]) for _, f in steps[steps_before:]]
     assert not [s for s in tokens if isinstance(s, StepMessage) and s.leader_token == 1]
     assert replica.holder_pid() == second.p.pid
     assert replica.status() is not None
@@ -244,7 +244,7 @@ def test_a_leader_paused_past_its_lease_cannot_step(replica, tiny_model):
         step_id=10**6, epoch="stale.1", new_reqs=[], cached_reqs=[], num_scheduled_tokens={},
         finished_req_ids=[], preempted_req_ids=[], block_size=16, leader_token=1,
     )  # fmt: skip
-    replica.r.xadd(replica.streams.steps("default"), {FIELD: wire.encode(stale)})
+    replica.r.xadd(replica.streams.steps("default"), {FIELD: codec.encode(stale)})
     dropped = worker.wait_for("stale_leader_step", 10)
     assert dropped["fence"] == 1 and dropped["highest_fence"] == 2
 

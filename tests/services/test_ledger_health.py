@@ -7,13 +7,13 @@ import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from ledger.service.http import metrics_app
+from engine.http import metrics_app
 from tests.services.stack import Stack
 
 
 async def test_ledger_health_is_not_ready_once_every_worker_is_lost(redis_url, tiny_model):
     stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
-    client = TestClient(TestServer(metrics_app(stack.ledger)))
+    client = TestClient(TestServer(metrics_app(stack.ledger_process)))
     await client.start_server()
     try:
         resp = await client.get("/health")

@@ -10,10 +10,10 @@ from collections import Counter
 
 import msgpack
 
-from ledger.core.hashing import to_event_hash
-from services import transport, wire
-from services.checkpoint import decode_snapshot, snapshot_counts
-from services.messages import GenerateRequest, SamplingParams, WorkerShutdown
+from ledger.hashing import to_event_hash
+from services.events.snapshot import decode_snapshot, snapshot_counts
+from services.wire import codec
+from services.wire.messages import GenerateRequest, SamplingParams, WorkerShutdown
 from tests.services.stack import Result, Stack, dense_greedy
 
 
@@ -93,13 +93,13 @@ async def test_malformed_and_invalid_entries_are_dead_lettered_and_serving_goes_
         r, streams = stack.r, stack.streams
         await r.xadd(streams.requests, {b"m": b"\xc1 not msgpack"})
         await r.xadd(streams.requests, {b"other": b"field"})
-        await transport.append(r, streams.requests, WorkerShutdown(reason="misrouted"))
+        await streams.append(r, streams.requests, WorkerShutdown(reason="misrouted"))
         missing = msgpack.packb({"v": 1, "kind": "generate", "req_id": "x"})
         await r.xadd(streams.requests, {b"m": missing})
         await r.xadd(streams.results, {b"m": b"garbage"})
         await r.xadd(streams.steps("default"), {b"m": msgpack.packb([1, 2, 3])})
         # A well-formed request whose content is wrong gets an error output, not a crash.
-        await transport.append(
+        await streams.append(
             r,
             streams.requests,
             GenerateRequest(
@@ -178,7 +178,7 @@ async def test_snapshot_lists_exactly_the_cached_blocks(redis_url, tiny_model):
         await stack.ledger._write_snapshot()
         snapshot = decode_snapshot(await stack.r.get(stack.streams.events_snapshot))
         assert snapshot.version == 2 and snapshot_counts(snapshot) == cached
-        assert wire.WIRE_VERSION == 1
+        assert codec.WIRE_VERSION == 1
     finally:
         await stack.stop()
 

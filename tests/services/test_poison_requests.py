@@ -8,8 +8,9 @@ import asyncio
 import time
 
 from gpu_worker.runner import ModelRunner
-from services import transport, wire
-from services.messages import (
+from services.transport import redis_streams
+from services.wire import codec
+from services.wire.messages import (
     GenerateRequest,
     OutputBatch,
     SamplingParams,
@@ -96,11 +97,13 @@ async def test_a_tiny_temperature_from_a_gateway_that_does_not_exist_is_greedy(
             req_id="tiny-temp", gateway_id="no-such-gateway", prompt_token_ids=prompt,
             sampling=SamplingParams(max_tokens=4, temperature=1e-300), arrival_time=time.time(),
         )  # fmt: skip
-        await transport.append(stack.r, stack.streams.requests, msg)
+        await redis_streams.append(stack.r, stack.streams.requests, msg)
         await stack.submit("after", prompt, 4)
         await stack.wait(["after"], timeout=60)
         entries = await stack.r.xrange(stack.streams.outputs("no-such-gateway"))
-        outs = [o for _, f in entries for o in wire.decode(f[transport.FIELD], OutputBatch).outputs]
+        outs = [
+            o for _, f in entries for o in codec.decode(f[redis_streams.FIELD], OutputBatch).outputs
+        ]
         assert [t for o in outs for t in o.new_token_ids] == dense_greedy(tiny_model, prompt, 4)
         assert outs[-1].finish_reason == "length"
         assert stack.results["after"].tokens == dense_greedy(tiny_model, prompt, 4)

@@ -8,13 +8,13 @@ import random
 import time
 import uuid
 
-from gateway.outputs import OutputDispatcher
-from ledger.core.block_pool import BlockPool
-from ledger.core.events import BlockStored
-from ledger.service.event_stream import KVEventStream
-from services import transport
-from services.keys import OUTPUTS_TTL_S, StreamNames
-from services.messages import GenerateRequest, SamplingParams
+from engine.event_stream import KVEventStream
+from gateway.output_reader import OutputDispatcher
+from ledger.block_pool import BlockPool
+from ledger.events import BlockStored
+from services.transport import redis_streams
+from services.transport.keys import OUTPUTS_TTL_S, StreamNames
+from services.wire.messages import GenerateRequest, SamplingParams
 from tests.services.stack import GATEWAY, Stack
 
 
@@ -31,7 +31,7 @@ def _stored(rng: random.Random, blocks: int) -> BlockStored:
 
 
 async def test_the_kv_events_stream_stays_within_its_memory_budget(redis_url):
-    r = transport.connect(redis_url)
+    r = redis_streams.connect(redis_url)
     streams = StreamNames(f"b{uuid.uuid4().hex[:6]}", "default")
     budget = 600_000
     events = KVEventStream(
@@ -64,7 +64,7 @@ async def test_outputs_streams_expire_unless_written_or_read(redis_url, tiny_mod
             req_id="orphan", gateway_id="gone-gateway", prompt_token_ids=[1, 2, 3],
             sampling=SamplingParams(max_tokens=4), arrival_time=time.time(),
         )  # fmt: skip
-        await transport.append(stack.r, stack.streams.requests, msg)
+        await redis_streams.append(stack.r, stack.streams.requests, msg)
         await stack.wait(["mine"])
         deadline = time.monotonic() + 30
         while await stack.r.xlen(nobody) == 0:
@@ -77,7 +77,7 @@ async def test_outputs_streams_expire_unless_written_or_read(redis_url, tiny_mod
 
 
 async def test_the_gateway_reader_refreshes_its_outputs_stream(redis_url):
-    r = transport.connect(redis_url)
+    r = redis_streams.connect(redis_url)
     stream = f"o:{uuid.uuid4().hex}"
     await r.xadd(stream, {b"m": b"x"})
     dispatcher = OutputDispatcher(r, stream, f"d:{uuid.uuid4().hex}", block_ms=50)

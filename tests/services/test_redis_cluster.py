@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from services import redis_client, registry, transport
-from services.keys import StreamNames
-from services.messages import WorkerHello
-from services.tokenizer import load_tokenizer
+from services.tokenization.tokenizer import load_tokenizer
+from services.transport import redis_client, redis_streams, registry
+from services.transport.keys import StreamNames
+from services.wire.messages import WorkerHello
 from tests.redis_cluster import RedisClusterServers
 from tests.services import (
     test_indexer,
@@ -58,7 +58,7 @@ def test_cluster_urls_are_told_apart_and_read_node_by_node():
 
 async def test_replicas_spread_over_masters_and_multi_key_commands_stay_in_one_slot(cluster):
     assert cluster.formed_by
-    r = transport.connect(cluster.url)
+    r = redis_streams.connect(cluster.url)
     try:
         names = [StreamNames("kvc", f"r{i}") for i in range(8)]
         masters = {cluster.master_of(n.requests) for n in names}
@@ -68,12 +68,12 @@ async def test_replicas_spread_over_masters_and_multi_key_commands_stay_in_one_s
             assert {cluster.master_of(key) for key in keys} == {cluster.master_of(n.requests)}
         # A group read over two streams of one replica: one XREADGROUP, one slot.
         one = names[0]
-        reader = transport.GroupReader(r, [one.requests, one.results], "ledger", "c1")
+        reader = redis_streams.GroupReader(r, [one.requests, one.results], "ledger", "c1")
         await reader.ensure_groups()
-        await r.xadd(one.requests, {transport.FIELD: b"a"})
-        await r.xadd(one.results, {transport.FIELD: b"b"})
+        await r.xadd(one.requests, {redis_streams.FIELD: b"a"})
+        await r.xadd(one.results, {redis_streams.FIELD: b"b"})
         got = await reader.read(count=10, block_ms=1000)
-        assert sorted(entry.fields[transport.FIELD] for entry in got) == [b"a", b"b"]
+        assert sorted(entry.fields[redis_streams.FIELD] for entry in got) == [b"a", b"b"]
         # Worker registrations of replicas on different masters: SCAN visits every master.
         for n in names:
             await registry.register(r, n, _hello(f"w-{n.replica}"), ttl_s=30)

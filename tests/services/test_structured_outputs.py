@@ -10,8 +10,8 @@ import re
 import jsonschema
 import llguidance
 
-from services.messages import StructuredOutput
-from services.tokenizer import ByteTokenizer
+from services.tokenization.tokenizer import ByteTokenizer
+from services.wire.messages import StructuredOutput
 from tests.gateway.helpers import read_sse
 from tests.services.gateway_stack import gateway_on
 from tests.services.stack import Stack

@@ -7,8 +7,8 @@ import asyncio
 import re
 from collections import Counter
 
-from ledger.core.hashing import BlockHasher, resolve_none_hash_seed, to_event_hash
-from services.subscriber import KVEventSubscriber
+from ledger.hashing import BlockHasher, resolve_none_hash_seed, to_event_hash
+from services.events.subscriber import KVEventSubscriber
 from tests.services.stack import Stack
 from tests.services.test_ledger_service import prompts
 
@@ -101,7 +101,7 @@ async def test_a_subscriber_whose_position_was_trimmed_away_rebuilds_from_the_sn
 
 
 async def test_kvledger_events_prints_one_readable_line_per_event(redis_url, tiny_model, capsys):
-    from services.subscriber import print_events
+    from services.events.subscriber import print_events
 
     stack = await Stack(redis_url, tiny_model, num_blocks=32, max_model_len=160).start()
     try:
@@ -124,10 +124,10 @@ async def test_kvledger_events_prints_one_readable_line_per_event(redis_url, tin
 async def test_a_snapshot_over_one_part_is_written_in_parts_and_read_whole(redis_url):
     # 200k cached blocks, 150k distinct hashes: ~1.8 MB, written as two parts under a temporary key and
     # renamed over the live one; a subscriber bootstraps every hash with its count.
-    from ledger.core.block_pool import BlockPool
-    from ledger.service.event_stream import SNAPSHOT_PART_BYTES, KVEventStream
-    from services.keys import StreamNames
-    from services.transport import connect
+    from engine.event_stream import SNAPSHOT_PART_BYTES, KVEventStream
+    from ledger.block_pool import BlockPool
+    from services.transport.keys import StreamNames
+    from services.transport.redis_streams import connect
 
     r = connect(redis_url)
     streams = StreamNames("parts")
@@ -154,7 +154,7 @@ def test_the_hashes_only_decoder_applies_what_the_full_decoder_does():
     import msgpack
     import pytest
 
-    from ledger.core.events import (
+    from ledger.events import (
         AllBlocksCleared,
         BlockRemoved,
         BlockStored,
@@ -163,7 +163,7 @@ def test_the_hashes_only_decoder_applies_what_the_full_decoder_does():
         decode_batch,
         encode_batch,
     )
-    from services.subscriber import PrefixIndex
+    from services.events.subscriber import PrefixIndex
 
     def stored(*hashes):
         return BlockStored(list(hashes), None, list(range(16 * len(hashes))), 16, None, "GPU", None)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from services.messages import (
+from services.wire.codec import WIRE_VERSION, WireError, decode, encode
+from services.wire.messages import (
     NewRequestData,
     OutputBatch,
     RequestOutput,
     SamplingParams,
     StepMessage,
 )
-from services.wire import WIRE_VERSION, WireError, decode, encode
 
 
 def step() -> StepMessage:
@@ -74,7 +74,7 @@ def test_a_bad_message_names_its_field(mutate, message):
 
 def test_expecting_one_kind_refuses_another():
     with pytest.raises(WireError, match="expected 'result', got 'step'"):
-        from services.messages import StepResult
+        from services.wire.messages import StepResult
 
         decode(encode(step()), StepResult)
 

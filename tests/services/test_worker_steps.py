@@ -11,7 +11,7 @@ import time
 import redis
 
 from gpu_worker.runner import ModelRunner
-from services.messages import StepMessage
+from services.wire.messages import StepMessage
 from tests.services.stack import Stack, dense_greedy
 from tests.services.test_ledger_service import prompts
 

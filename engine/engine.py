@@ -1,0 +1,521 @@
+"""The engine: the ledger core (scheduler, KV cache manager, block pool) behind Redis Streams.
+
+One engine loop owns every piece of ledger state and is the only task that changes it: it takes
+new requests and aborts from the intake queue, schedules a step, appends it for the workers,
+waits for their sampled tokens, applies them, streams outputs to the gateways and publishes the
+KV events. Other tasks only read streams and keys (requests, results, worker heartbeats) and
+hand what they read to the engine loop.
+
+An `Engine` is built whole, once the workers have reported and the pool is sized
+(`engine.process` waits for the lease and the workers first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import secrets
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from engine.event_stream import KVEventStream
+from engine.intake import RequestIntake
+from engine.leadership import Leadership
+from engine.outputs import GatewayOutputs
+from engine.quarantine import Quarantine
+from engine.step_results import StepResults
+from engine.telemetry import LedgerTelemetry
+from engine.translate import (
+    Tracked,
+    build_step_message,
+    failure_output,
+    file_logprobs,
+    rejection,
+    request_from_message,
+    request_output,
+    validate_request,
+)
+from engine.workers import PoolPlan, group_view, membership_changes
+from ledger.events import AllBlocksCleared
+from ledger.hashing import BlockHasher
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import Request, RequestStatus
+from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from observability import LedgerMetrics, get_logger, new_registry
+from services.config import LedgerConfig
+from services.startup import freeze_after_startup
+from services.transport import redis_streams, registry
+from services.wire.codec import WireError, encode, kind_of
+from services.wire.messages import (
+    AbortRequest,
+    GenerateRequest,
+    LedgerStatus,
+    RequestOutput,
+    StepResult,
+    WorkerHello,
+)
+
+log = get_logger("kvledger.ledger")
+
+
+class Engine:
+    """The step loop over a sized pool: `run` until `stopping` is set, a background reader
+    crashes (re-raised), or a successor takes the lease (`LeadershipLost`)."""
+
+    def __init__(
+        self,
+        config: LedgerConfig,
+        r: aioredis.Redis,
+        leadership: Leadership,
+        plan: PoolPlan,
+        workers: dict[str, WorkerHello],
+        stopping: asyncio.Event,
+        tracer=None,
+    ) -> None:
+        self.cfg = config
+        self.r = r
+        self.streams = config.streams
+        self.leadership = leadership
+        self.stopping = stopping
+        self.ledger_id = uuid.uuid4().hex[:12]
+        self.generation = 0  # bumped whenever the workers' KV data is lost
+        self.started_at = time.time()
+        self.crashed: BaseException | None = None
+        # The workers' KV data can no longer be trusted (a worker lost or joined, Redis lost
+        # with steps in flight): the reason, until the loop starts a new epoch for it.
+        self.epoch_invalidated: str | None = None
+        self.workers = workers
+        self.no_worker_since: float | None = None  # monotonic time the last worker was lost
+        self.num_gpu_blocks, self.vocab_size = plan.num_gpu_blocks, plan.vocab_size
+        self.model_name, self.capacity = plan.model_name, plan.capacity_line
+
+        self.manager = KVCacheManager(
+            plan.num_gpu_blocks,
+            config.block_size,
+            config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            enable_kv_cache_events=True,
+            watermark=config.watermark,
+            record_evictions=True,
+        )
+        self.scheduler: Scheduler[Tracked] = Scheduler(
+            SchedulerConfig(
+                max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                policy=config.policy,
+                async_scheduling=config.async_scheduling,
+            ),
+            self.manager,
+        )
+        self.hasher = BlockHasher(config.hash_algo) if config.enable_prefix_caching else None
+        self.metrics = LedgerMetrics(new_registry(), self.model_name)
+        self.telemetry = LedgerTelemetry(tracer, self.metrics)
+        self.depth = 2 if config.async_scheduling else 1  # steps in flight at once
+        self.in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = (
+            collections.deque()
+        )
+
+        self.intake = RequestIntake(r, self.streams, self._count_outage)
+        self.step_results = StepResults(
+            r,
+            self.streams.results,
+            lambda: self.epoch,
+            self._dead_letter,
+            self._results_outage,
+            leader_token=lambda: self.leadership.token,
+        )
+        self.quarantine = Quarantine(config.max_request_failures)
+        self.outputs = GatewayOutputs(r, self.streams)
+        self.events = KVEventStream(
+            r, self.streams, max_bytes=int(config.kv_events_max_mb * 1e6), snapshot_interval_s=config.snapshot_interval_s,
+            block_size=config.block_size, hash_algo=config.hash_algo,
+        )  # fmt: skip
+        log.info(
+            "kv_cache_capacity",
+            line=self.capacity,
+            num_gpu_blocks=plan.num_gpu_blocks,
+            block_size=config.block_size,
+            workers=sorted(workers),
+            profile=plan.profile,
+        )
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.ledger_id}.{self.generation}"
+
+    # ------------------------------------------------------------------ start and stop
+
+    async def run(self, ready: asyncio.Event) -> None:
+        # The ledger may start before its Redis (or while it restarts): each start-up step waits
+        # for it with the loops' backoff, logging the outage once, instead of crashing.
+        startup = redis_streams.Reconnect("startup", self._count_outage)
+        await startup.call(self._prepare_streams)
+        await startup.call(lambda: self._new_generation("ledger start"))
+        log.info("gc_frozen", objects=freeze_after_startup())
+        # One ledger serves a group: requests a previous ledger read under another consumer name
+        # and never finished become ours, so the reader's first pass over our pending entries
+        # hands them out once, with our own unfinished ones.
+        await startup.call(lambda: self.intake.reader.claim_stale(min_idle_ms=0))
+        tasks = [
+            asyncio.create_task(self.intake.read_forever(), name="intake"),
+            asyncio.create_task(self.step_results.read_forever(), name="results"),
+            asyncio.create_task(self._status_loop(), name="status"),
+        ]
+        for task in tasks:
+            task.add_done_callback(self.background_done)
+        ready.set()
+        try:
+            await self._engine_loop()
+            if self.crashed is not None:
+                raise self.crashed
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.leadership.held():  # a deposed leader leaves the keys to its successor
+                await self._write_snapshot()
+                await self.r.delete(self.streams.ledger_status)
+
+    async def _prepare_streams(self) -> None:
+        await self.intake.reader.ensure_groups("0")
+        # Results from before this start belong to a previous epoch: skip them. Results need
+        # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
+        await self.r.delete(self.streams.results)
+
+    def background_done(self, task: asyncio.Task) -> None:
+        """A background task ended (a reader, the lease renewal). One that died would leave the
+        engine waiting forever: stop loudly instead, so that the process exits and its
+        supervisor restarts it."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_task_crashed", task=task.get_name(), error=repr(task.exception()))
+            self.crashed = task.exception()
+            self.stopping.set()
+            self.step_results.arrived.set()
+            self.intake.wake()
+
+    async def _new_generation(self, reason: str) -> None:
+        """Start over on the workers' side: a new epoch, and AllBlocksCleared for subscribers."""
+        self.generation += 1
+        self.manager.take_events()
+        await self._publish_events([AllBlocksCleared()])
+        await self._write_snapshot()
+        log.info("epoch_started", epoch=self.epoch, reason=reason)
+
+    # ------------------------------------------------------------------ the engine loop
+
+    async def _engine_loop(self) -> None:
+        """The step loop, carried through Redis outages: what was in flight when the connection
+        broke may be lost (steps, results, the workers' registrations), so once Redis answers
+        again every request is recomputed in a new epoch, as after a lost worker."""
+        reconnect = redis_streams.Reconnect("engine", self._count_outage)
+        while not self.stopping.is_set():
+            try:
+                await self._step_loop()
+                return
+            except (RedisError, OSError) as exc:
+                await reconnect.failed(exc)  # anything but an outage propagates
+                await reconnect.until_up(self.r)
+                await self.leadership.renew()  # the outage may have outlasted the lease
+                self.epoch_invalidated = "Redis connection lost"
+
+    async def _step_loop(self) -> None:
+        """Schedule, run, update. With async scheduling two steps are in flight: the ledger
+        schedules and dispatches step N+1 while the workers compute step N, so the round trips
+        through Redis overlap the compute instead of adding to it."""
+        while not self.stopping.is_set():
+            await self._between_steps()  # leadership, new requests, a new epoch, no workers
+            if not self.in_flight and not self._can_schedule():
+                await self._idle()
+                continue
+            if len(self.in_flight) < self.depth and self._can_schedule():
+                out = self.scheduler.schedule()
+                await self._dispatch(out)  # the workers run it
+                await self._while_workers_compute(out)
+                if not out.is_empty and len(self.in_flight) < self.depth:
+                    continue  # fill the pipeline before waiting
+            if not self.in_flight:
+                await self.intake.wait(0.05)
+                continue
+            out, started = self.in_flight.popleft()
+            result = await self._await_results(out)
+            if result is None:
+                await self._step_failed(out)
+                continue
+            self._update(out, result, started)
+        await self._flush_outputs()
+
+    def _can_schedule(self) -> bool:
+        return bool(self.workers) and self.scheduler.has_unfinished_requests()
+
+    async def _between_steps(self) -> None:
+        await self.leadership.ensure()
+        await self._drain_intake()
+        if self.epoch_invalidated is not None:
+            self.in_flight.clear()  # their results belong to the old epoch
+            await self._flush_outputs()
+            await self._workers_changed(self.epoch_invalidated)
+        if not self.in_flight and not self.workers:
+            await self._fail_without_workers()
+
+    async def _idle(self) -> None:
+        # Async scheduling caches a finished request's last blocks as its tokens come back:
+        # publish them now rather than with the next request's first step.
+        await self._publish_events(self.manager.take_events())
+        await self._flush_outputs()
+        self.telemetry.update_metrics(self.scheduler, self.manager)
+        await self.intake.wait(0.5 if self.workers else 0.2)
+
+    async def _dispatch(self, out: SchedulerOutput[Tracked]) -> None:
+        if out.is_empty:
+            return
+        step = build_step_message(out, self.epoch, self.cfg.block_size)
+        step.leader_token = self.leadership.token
+        # A leader paused past its lease and deposed stops here: renewed first if its deadline
+        # passed, and fenced in Redis by the write itself.
+        await self.leadership.ensure()
+        await self.leadership.append_fenced(
+            self.streams.steps(self.cfg.group), redis_streams.FIELD, encode(step), maxlen=10_000
+        )
+        self.in_flight.append((out, time.monotonic()))
+
+    async def _while_workers_compute(self, out: SchedulerOutput[Tracked]) -> None:
+        """Spans, KV events, the last step's tokens and metrics, while the workers compute."""
+        self.telemetry.on_schedule(out, self.manager)
+        await self._publish_events(self.manager.take_events())
+        await self._flush_outputs()
+        self.telemetry.update_metrics(self.scheduler, self.manager)
+
+    def _update(self, out: SchedulerOutput[Tracked], result: StepResult, started: float) -> None:
+        file_logprobs(out, result)
+        self.outputs.hold(self.scheduler.update_from_output(out, result.sampled_token_ids))
+        self.metrics.record_step(time.monotonic() - started)
+
+    async def _step_failed(self, out: SchedulerOutput[Tracked]) -> None:
+        self.in_flight.clear()
+        await self._fail_culprits(out)
+        await self._workers_changed("a step failed on a worker")
+
+    async def _await_results(self, out: SchedulerOutput[Tracked]) -> StepResult | None:
+        return await self.step_results.wait(
+            out, dict(self.workers), self.cfg.step_timeout_s,
+            give_up=lambda: self.epoch_invalidated is not None or self.stopping.is_set(),
+        )  # fmt: skip
+
+    def _count_outage(self, loop: str) -> None:
+        self.metrics.record_redis_outage(loop)
+
+    def _results_outage(self, loop: str) -> None:
+        """The results reader lost Redis: a step or a result in flight may be lost with it (a
+        restarted Redis, even one that kept its data, dropped the replies on the wire). The
+        engine stops waiting and recomputes in a new epoch once Redis answers, rather than
+        waiting out step_timeout_s for a result that may never come."""
+        self._count_outage(loop)
+        self.epoch_invalidated = "Redis connection lost by the results reader"
+
+    async def _fail_culprits(self, out: SchedulerOutput[Tracked]) -> None:
+        """After a worker reported a failed step: fail the requests it named, or those that
+        took part in too many failed steps, with an error to their clients."""
+        failure = self.step_results.take_failure()
+        doomed, reason = self.quarantine.judge(out.num_scheduled_tokens, failure)
+        if doomed:
+            self.metrics.record_failed_requests(reason, len(doomed))
+        for req_id, error in doomed.items():
+            for request in self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ERROR):
+                log.error("request_failed", req_id=req_id, reason=reason, error=error)
+                await self._finish_tracking(request, request_output(request, [], "error", error))
+
+    async def _workers_changed(self, reason: str) -> None:
+        """The workers' KV data can no longer be trusted: recompute everything from scratch."""
+        await self.leadership.ensure()  # the step failed because a successor took the workers over
+        self.epoch_invalidated = None
+        preemptions = self.scheduler.preempt_all(reason="worker_lost")
+        out: SchedulerOutput[Tracked] = SchedulerOutput(
+            step_id=self.scheduler.step_id, preemptions=preemptions
+        )
+        self.telemetry.on_schedule(out, self.manager)
+        await self._publish_events(self.manager.take_events())
+        self.manager.reset_prefix_cache()
+        self.workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
+        self.workers = group_view(
+            {w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks}
+        )
+        if self.workers:
+            self.no_worker_since = None
+        log.warning(
+            "workers_changed",
+            reason=reason,
+            preempted=len(preemptions),
+            workers=sorted(self.workers),
+        )
+        await self._new_generation(reason)
+
+    async def _fail_without_workers(self) -> None:
+        """No live worker for --no-worker-timeout-s: the requests held cannot progress, so each
+        fails with an error now rather than at its gateway's timeout. A worker that registers
+        again in time (a supervised restart) finds them waiting and recomputes them."""
+        timeout = self.cfg.no_worker_timeout_s
+        now = time.monotonic()
+        if self.no_worker_since is None:
+            self.no_worker_since = now
+        if timeout <= 0 or now - self.no_worker_since < timeout or not self.scheduler.requests:
+            return
+        error = (
+            f"no worker of group {self.cfg.group!r} has been alive for "
+            f"{now - self.no_worker_since:.0f}s (--no-worker-timeout-s {timeout:g}): "
+            "the request cannot be scheduled"
+        )
+        held = list(self.scheduler.requests)
+        log.error("requests_failed_without_workers", requests=len(held), error=error)
+        for request in self.scheduler.finish_requests(held, RequestStatus.FINISHED_ERROR):
+            await self._finish_tracking(request, failure_output(request, error))
+
+    # ------------------------------------------------------------------ requests in
+
+    async def _drain_intake(self) -> None:
+        for entry in self.intake.drain():
+            try:
+                msg = redis_streams.decode_entry(entry)
+            except WireError as exc:
+                await self._dead_letter(entry, str(exc))
+                continue
+            if isinstance(msg, GenerateRequest):
+                await self._add_request(entry, msg)
+            elif isinstance(msg, AbortRequest):
+                await self._abort(msg)
+                await self.intake.reader.ack([entry])
+            else:
+                await self._dead_letter(
+                    entry, f"field 'kind': {kind_of(msg)!r} does not belong on the requests stream"
+                )
+
+    async def _add_request(self, entry: redis_streams.Entry, msg: GenerateRequest) -> None:
+        problem = validate_request(msg, self.vocab_size, self.cfg.max_model_len)
+        if problem is None and msg.req_id in self.scheduler.requests:
+            problem = f"req_id {msg.req_id!r} is already running"
+        if problem is None:
+            if msg.sampling.seed is None:
+                # Every worker of the group must draw the same tokens (each keeps its own copy),
+                # and a recomputed request then draws what it drew before the preemption.
+                msg.sampling.seed = secrets.randbits(63)
+            request = request_from_message(msg, entry, self.hasher, self.cfg.block_size)
+            try:
+                self.scheduler.add_request(request)
+            except ValueError as exc:
+                problem = str(exc)
+        if problem is not None:
+            log.warning("request_rejected", req_id=msg.req_id, error=problem)
+            await self.outputs.send(msg.gateway_id, rejection(msg, problem))
+            await self.intake.reader.ack([entry])
+            return
+        self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
+
+    async def _abort(self, msg: AbortRequest) -> None:
+        for request in self.scheduler.finish_requests([msg.req_id], RequestStatus.FINISHED_ABORTED):
+            log.info("request_aborted", req_id=msg.req_id, reason=msg.reason)
+            await self._finish_tracking(request, request_output(request, [], "abort"))
+
+    # ------------------------------------------------------------------ outputs
+
+    async def _flush_outputs(self) -> None:
+        """Stream the last step's tokens to their gateways (held back to overlap the next step)."""
+        if not self.outputs.unsent:
+            return
+        await self.leadership.ensure()  # a deposed leader's tokens would race its successor's
+        for update in await self.outputs.flush():
+            if update.finished:
+                await self._finish_tracking(update.request, None)
+
+    async def _finish_tracking(
+        self, request: Request[Tracked], final: RequestOutput | None
+    ) -> None:
+        tracked = request.payload
+        self.quarantine.forget(request.request_id)
+        self.telemetry.request_finished(request.request_id)
+        if final is not None:
+            await self._flush_outputs()  # a final output must not overtake tokens held back
+            await self.outputs.send(tracked.msg.gateway_id, final)
+        if tracked.entry is not None:
+            await self.intake.reader.ack([tracked.entry])
+
+    async def _dead_letter(self, entry: redis_streams.Entry, error: str) -> None:
+        await redis_streams.dead_letter(self.r, self.streams.dead_letters, entry, error)
+        if entry.stream == self.streams.requests:  # results are read without a group: no ack
+            await self.intake.reader.ack([entry])
+        self.metrics.record_dead_letter(entry.stream)
+
+    # ------------------------------------------------------------------ KV events
+
+    async def _publish_events(self, events: list) -> None:
+        await self.leadership.ensure()  # KV events and snapshots belong to the leader's block pool
+        published = await self.events.publish(events, self.manager.block_pool, self.epoch)
+        if published:
+            self.metrics.record_kv_events(published)
+
+    async def _write_snapshot(self) -> None:
+        await self.events.write_snapshot(self.manager.block_pool, self.epoch)
+
+    # ------------------------------------------------------------------ background readers
+
+    async def _status_loop(self) -> None:
+        reconnect = redis_streams.Reconnect("status", self._count_outage)
+        while True:
+            try:
+                await self._check_workers_and_status()
+            except (RedisError, OSError) as exc:
+                # Steps and results may be lost with the connection: the engine stops waiting
+                # for this step and starts a new epoch once Redis answers.
+                self.epoch_invalidated = "Redis connection lost by the status loop"
+                await reconnect.failed(exc)
+                continue
+            reconnect.succeeded()
+            await asyncio.sleep(min(1.0, self.cfg.worker_ttl_s / 3))
+
+    async def _check_workers_and_status(self) -> None:
+        live = group_view(await registry.live_workers(self.r, self.cfg.streams, self.cfg.group))
+        lost, joined = membership_changes(self.workers, live, self.num_gpu_blocks)
+        if (lost or joined) and self.epoch_invalidated is None:
+            # A fresh worker holds none of the cached data, a lost one took its share.
+            log.warning("workers_changing", lost=lost, joined=joined)
+            self.epoch_invalidated = "worker membership changed"
+        self.intake.wake()
+        await self._write_status()
+
+    def attention_backends(self) -> dict[str, str]:
+        """worker id -> the attention backend it chose at start-up (from its hello)."""
+        return {w: h.attention_backend for w, h in sorted(self.workers.items())}
+
+    async def _write_status(self) -> None:
+        if not self.leadership.held():
+            return  # the status key is the leader's
+        self.metrics.set_workers(
+            {w: (h.device, h.attention_backend) for w, h in self.workers.items()}
+        )
+        await self.r.set(self.streams.ledger_status, encode(self.status()), px=5000)
+
+    def status(self) -> LedgerStatus:
+        """What the gateways and routers read of this ledger (the status key, with a TTL)."""
+        cfg = self.cfg
+        return LedgerStatus(
+            epoch=self.epoch,
+            started_at=self.started_at,
+            updated_at=time.time(),
+            model_name=self.model_name,
+            max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=cfg.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            capacity_line=self.capacity,
+            hash_algo=cfg.hash_algo,
+            num_workers=len(self.workers),
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            metrics=self.metrics.snapshot().to_dict(),
+            attention_backends=self.attention_backends(),
+            scheduling_policy=cfg.policy,
+            async_scheduling=cfg.async_scheduling,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+        )

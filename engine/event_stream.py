@@ -1,0 +1,230 @@
+"""The KV-events stream and its snapshot in Redis.
+
+Each batch is one stream entry: field `batch`, vLLM's bytes, and field `hashes`, the same
+batch's block hashes in runs for prefix indexes (`services/events/runs.py`). The stream keeps a
+mirror of the cached blocks (event hash -> physical blocks) by applying every batch it publishes
+(its runs), so a snapshot is the mirror as of one entry id: a subscriber loads it and reads the
+stream from that id on. Periodic snapshots never stall the engine loop: they run as a background
+task that packs the mirror in chunks, yielding between them, while batches published meanwhile
+go to an overlay that is merged back when the snapshot is written.
+
+The stream is capped by memory, not by a count: entries vary in size (a batch of one removal
+is tens of bytes, a long prefill's stored blocks kilobytes), so the MAXLEN of each XADD is the
+budget divided by the average entry seen so far (payload plus Redis' per-entry overhead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from array import array
+from itertools import islice
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from ledger.block_pool import BlockPool
+from ledger.events import AnyKVCacheEvent, KVEventBatch, encode_batch
+from ledger.hashing import to_event_hash
+from services.events.runs import (
+    HASHES_FIELD,
+    Run,
+    apply_runs,
+    batch_runs,
+    encode_runs,
+)
+from services.events.snapshot import CLEARED, STORED, KVSnapshot, encode_snapshot, pack_arrays
+from services.transport.keys import StreamNames
+
+# Before the first entry: the size measured under load (a few stored blocks per batch: ~1.9 KB
+# of `batch`, ~0.2 KB of `hashes`).
+ASSUMED_ENTRY_BYTES = 2100
+# Redis' own cost per stream entry (id, field name, listpack bookkeeping), measured with
+# MEMORY USAGE (tests/services/test_redis_bounds.py: ~440 bytes per ~330-byte entry).
+ENTRY_OVERHEAD_BYTES = 110
+MIN_MAXLEN = 1000  # subscribers catching up need some history, whatever the budget
+
+log = logging.getLogger(__name__)
+
+# Entries packed between two yields to the loop: about 2 ms of array building on a slow core.
+SNAPSHOT_CHUNK = 50_000
+# The snapshot goes to Redis in parts of this size, each its own command: one SET of 12 MB
+# (1M cached blocks) held the loop ~20 ms sending it, a 1 MB APPEND about a tenth of that.
+SNAPSHOT_PART_BYTES = 1 << 20
+
+
+class KVEventStream:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        streams: StreamNames,
+        *,
+        max_bytes: int,
+        snapshot_interval_s: float,
+        block_size: int,
+        hash_algo: str,
+    ) -> None:
+        self.r = r
+        self.streams = streams
+        self.max_bytes = max_bytes
+        self._entry_bytes = 0  # payload bytes of every entry published, for the average
+        self.snapshot_interval_s = snapshot_interval_s
+        self.block_size = block_size
+        self.hash_algo = hash_algo
+        self.last_id: bytes | None = None
+        self.published = 0
+        self.batches = 0
+        self.snapshots_written = 0
+        self.counts: dict[int, int] = {}  # the mirror: what a subscriber at last_id holds
+        self._synced = False
+        # While a snapshot reads `counts`, changes land here (0: the hash is gone) and
+        # `_cleared` says whether `counts` still underlies them.
+        self._overlay: dict[int, int] | None = None
+        self._cleared = False
+        self._snapshot_task: asyncio.Task | None = None
+        self._last_snapshot_start = float("-inf")
+
+    @property
+    def maxlen(self) -> int:
+        """Entries that fit the memory budget at the average entry size so far."""
+        average = self._entry_bytes / self.batches if self.batches else ASSUMED_ENTRY_BYTES
+        return max(MIN_MAXLEN, int(self.max_bytes / (average + ENTRY_OVERHEAD_BYTES)))
+
+    async def publish(self, events: list[AnyKVCacheEvent], pool: BlockPool, epoch: str) -> int:
+        """Append one batch (nothing when there are no events); returns how many events."""
+        if not events:
+            return 0
+        batch = encode_batch(KVEventBatch(time.time(), events))
+        runs = batch_runs(events)
+        hashes = encode_runs(runs)
+        self.last_id = cast(
+            bytes,
+            await self.r.xadd(
+                self.streams.events,
+                {b"batch": batch, HASHES_FIELD: hashes},
+                maxlen=self.maxlen,
+                approximate=True,
+            ),
+        )
+        self.batches += 1
+        self._entry_bytes += len(batch) + len(HASHES_FIELD) + len(hashes)
+        self.published += len(events)
+        if self._synced:
+            self._apply(runs)
+        else:  # the pool already holds these events' effects
+            self.sync_from_pool(pool)
+        # The interval runs from the start of the last snapshot, so a slow write does not
+        # stretch it; a snapshot still in flight is never doubled up.
+        now = time.monotonic()
+        if self._snapshot_task is None and now - self._last_snapshot_start >= (
+            self.snapshot_interval_s
+        ):
+            self._last_snapshot_start = now
+            self._snapshot_task = asyncio.create_task(self._snapshot_in_background(epoch))
+        return len(events)
+
+    def sync_from_pool(self, pool: BlockPool) -> None:
+        """Rebuild the mirror from the pool itself (a scan of every block: start-up only)."""
+        assert self._overlay is None, "no snapshot may be reading the mirror"
+        counts: dict[int, int] = {}
+        for block in pool.blocks:
+            if block.block_hash is not None:
+                key = to_event_hash(block.block_hash)
+                counts[key] = counts.get(key, 0) + 1
+        self.counts = counts
+        self._synced = True
+
+    def _apply(self, runs: list[Run]) -> None:
+        overlay = self._overlay
+        if overlay is None:
+            apply_runs(self.counts, runs)
+            return
+        for kind, hashes in runs:
+            if kind == CLEARED:
+                overlay.clear()
+                self._cleared = True
+                continue
+            delta = 1 if kind == STORED else -1
+            for h in hashes:
+                known = overlay.get(h)
+                if known is None:
+                    known = 0 if self._cleared else self.counts.get(h, 0)
+                overlay[h] = max(known + delta, 0)
+
+    def _freeze(self) -> tuple[dict[int, int], str]:
+        self._overlay, self._cleared = {}, False
+        return self.counts, (self.last_id or b"0-0").decode()
+
+    def _thaw(self) -> None:
+        overlay, self._overlay = self._overlay, None
+        assert overlay is not None
+        if self._cleared:
+            self.counts = {h: n for h, n in overlay.items() if n}
+            return
+        counts = self.counts
+        for h, n in overlay.items():
+            if n:
+                counts[h] = n
+            else:
+                counts.pop(h, None)
+
+    async def _snapshot_in_background(self, epoch: str) -> None:
+        try:
+            counts, stream_id = self._freeze()
+            try:
+                hashes, values = array("Q"), array("I")
+                keys, nums = iter(counts.keys()), iter(counts.values())
+                while True:
+                    before = len(hashes)
+                    hashes.extend(islice(keys, SNAPSHOT_CHUNK))
+                    values.extend(islice(nums, SNAPSHOT_CHUNK))
+                    if len(hashes) == before:
+                        break
+                    await asyncio.sleep(0)
+            finally:
+                self._thaw()  # the arrays are a copy: the mirror may change again
+            await self._write(hashes, values, stream_id, epoch)
+        except aioredis.RedisError as exc:
+            log.warning("kv_snapshot_failed error=%s", exc)
+        finally:
+            self._snapshot_task = None
+
+    def _encode(self, hashes: array, values: array, stream_id: str, epoch: str) -> bytes:
+        hash_array, count_array = pack_arrays(hashes, values)
+        snapshot = KVSnapshot(
+            epoch=epoch,
+            stream_id=stream_id,
+            block_size=self.block_size,
+            hash_algo=self.hash_algo,
+            written_at=time.time(),
+            hash_array=hash_array,
+            count_array=count_array,
+        )
+        return encode_snapshot(snapshot)
+
+    async def _write(self, hashes: array, values: array, stream_id: str, epoch: str) -> None:
+        # The arrays are this call's own copies, so packing and encoding (memory copies of
+        # ~12 MB at 1M blocks) run in a thread while the loop steps.
+        data = await asyncio.to_thread(self._encode, hashes, values, stream_id, epoch)
+        key = self.streams.events_snapshot
+        if len(data) <= SNAPSHOT_PART_BYTES:
+            await self.r.set(key, data)
+        else:
+            # Built beside the live key (same hash tag: same cluster slot) and renamed over it
+            # at once, so a subscriber never reads half a snapshot.
+            building, view = f"{key}:writing", memoryview(data)
+            await self.r.set(building, view[:SNAPSHOT_PART_BYTES])
+            for start in range(SNAPSHOT_PART_BYTES, len(data), SNAPSHOT_PART_BYTES):
+                await self.r.append(building, view[start : start + SNAPSHOT_PART_BYTES])
+            await self.r.rename(building, key)
+        self.snapshots_written += 1
+
+    async def write_snapshot(self, pool: BlockPool, epoch: str) -> None:
+        """Write the snapshot now (start-up, a new epoch, shutdown), resynced from the pool."""
+        if self._snapshot_task is not None:
+            await asyncio.gather(self._snapshot_task, return_exceptions=True)
+        self.sync_from_pool(pool)
+        counts, stream_id = self.counts, (self.last_id or b"0-0").decode()
+        await self._write(array("Q", counts.keys()), array("I", counts.values()), stream_id, epoch)
+        self._last_snapshot_start = time.monotonic()

@@ -1,0 +1,250 @@
+"""The gateway's side of replicas: which replica's ledger gets each request, and reading back
+the outputs of every replica it sends to.
+
+One replica (the default): every request goes to it, nothing is followed. Several
+(`--replicas r0,r1,...`): a `ReplicaSet` follows each replica's KV events and ledger status, and
+a `Router` (services/routing/policy.py) picks one per request under `--routing` (precise by default:
+the prompt's blocks hashed as the ledger will, scored against each replica's resident prefix
+and traded against its load). Each ledger writes a request's outputs to
+`kvl:{replica}:outputs:{gateway_id}` (the replica's own slot in a Redis Cluster), so the gateway
+tails one outputs stream per replica, all feeding the same per-request queues.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from opentelemetry.trace import Tracer
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gateway.fields import ApiError
+from gateway.output_reader import OutputDispatcher
+from gateway.protocol import Job
+from observability import Attr, SpanName, get_logger
+from services.config import GatewayConfig
+from services.environment import ConfigError
+from services.routing.policy import (
+    HealthLimits,
+    NoReplicaError,
+    ReplicaHealth,
+    RouteDecision,
+    Router,
+    RouteRequest,
+    RoutingWeights,
+)
+from services.routing.replicas import ReplicaSet, parse_replicas
+from services.transport.keys import StreamNames
+from services.wire.messages import LedgerStatus
+
+log = get_logger("gateway.router")
+
+RETRY_AFTER_S = 1
+
+
+def parse_weights(text: str | None) -> RoutingWeights:
+    """'waiting=256,kv_usage=2048' over the defaults; a bad item names itself."""
+    weights = RoutingWeights()
+    for item in (part.strip() for part in (text or "").split(",")):
+        if not item:
+            continue
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in ("prefix", "running", "waiting", "kv_usage"):
+            raise ValueError(
+                f"routing weight {name!r} is unknown: use prefix, running, waiting or kv_usage"
+            )
+        try:
+            setattr(weights, name, float(value))
+        except ValueError:
+            raise ValueError(f"routing weight {name}={value!r} is not a number") from None
+    weights.__post_init__()
+    return weights
+
+
+class GatewayRouting:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        redis: aioredis.Redis,
+        gateway_id: str,
+        registry: CollectorRegistry,
+        tracer: Tracer,
+        on_dead_letter: Callable[[str], None],
+        on_outage: Callable[[str], None] | None = None,
+    ) -> None:
+        self.policy = config.routing
+        self.tracer = tracer
+        try:
+            self.replicas: dict[str, StreamNames] = dict(
+                parse_replicas(config.replicas or config.replica, config.stream_prefix)
+            )
+            weights = parse_weights(config.routing_weights)
+            limits = HealthLimits(config.route_stale_after_s, config.route_out_after_s)
+        except ValueError as exc:
+            raise ConfigError(f"gateway: {exc}") from None
+        names = list(self.replicas)
+        self.primary = self.replicas[names[0]]
+        # One reader per replica (their streams live in different cluster slots), one set of
+        # per-request queues: a request's outputs reach it from whichever replica serves it.
+        self.dispatchers = {
+            name: OutputDispatcher(
+                redis,
+                streams.outputs(gateway_id),
+                streams.dead_letters,
+                on_dead_letter=on_dead_letter,
+                marker=streams.gateway_marker(gateway_id),
+                on_outage=on_outage,
+            )
+            for name, streams in self.replicas.items()
+        }
+        self.outputs = self.dispatchers[names[0]]
+        for dispatcher in self.dispatchers.values():
+            dispatcher.queues = self.outputs.queues
+        self.replica_set: ReplicaSet | None = None
+        self.router: Router | None = None
+        if len(names) > 1:
+            self.replica_set = ReplicaSet(
+                redis,
+                list(self.replicas.items()),
+                limits=limits,
+            )
+            self.router = Router(
+                self.policy,
+                names,
+                weights=weights,
+                prefix_source=self.replica_set.cached_blocks,
+            )
+        self._routed = Counter(
+            "kvledger:routed_requests",
+            "Requests this gateway sent to each replica, by routing policy.",
+            ("replica", "policy"),
+            registry=registry,
+        )
+        self._routed_hit = Counter(
+            "kvledger:routed_prefix_hit_tokens",
+            "Prompt tokens the chosen replica was expected to hold at routing time.",
+            ("replica", "policy"),
+            registry=registry,
+        )
+        pending = Gauge(
+            "kvledger:routing_pending_requests",
+            "Requests this gateway routed that have not ended: counted on their replica until "
+            "its events and status show them.",
+            registry=registry,
+        )
+        router = self.router
+        pending.set_function(lambda: len(router.pending) if router is not None else 0)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.replicas)
+
+    def requests_stream(self, replica: str | None) -> str:
+        return self.replicas.get(replica or "", self.primary).requests
+
+    # --- the decision ------------------------------------------------------------------------
+
+    def route(self, job: Job, req_id: str) -> str:
+        """The replica that gets this request (503 when every replica is out); it counts as
+        pending there until `release`."""
+        if self.router is None or self.replica_set is None:
+            name = self.names[0]
+            self._routed.labels(name, "single").inc()
+            return name
+        replicas = self.replica_set
+        hashes: list[int] = []
+        block_size = 0
+        for name in self.names:
+            found = replicas.block_hashes(name, job.prompt_token_ids, job.cache_salt)
+            status = replicas.replicas[name].status
+            if found is not None and status is not None:
+                hashes, block_size = found, status.block_size
+                break
+        request = RouteRequest(len(job.prompt_token_ids), hashes, block_size)
+        with self.tracer.start_as_current_span(SpanName.ROUTE) as span:
+            try:
+                decision = self.router.route(
+                    request, replicas.loads(), replicas.healths(), request_id=req_id,
+                    now=time.time(),  # the clock of the ledgers' status updated_at
+                )  # fmt: skip
+            except NoReplicaError as exc:
+                log.warning("route_refused", policy=self.policy, error=str(exc))
+                raise ApiError(
+                    503, str(exc), err_type="service_unavailable_error",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                ) from None  # fmt: skip
+            span.set_attributes(_span_attributes(decision))
+        chosen = decision.score_of(decision.replica)
+        self._routed.labels(decision.replica, self.policy).inc()
+        self._routed_hit.labels(decision.replica, self.policy).inc(chosen.cached_tokens)
+        log.debug(
+            "routed", replica=decision.replica, policy=self.policy,
+            cached_tokens=chosen.cached_tokens, cost=round(chosen.cost, 1),
+            healths={score.replica: score.health.value for score in decision.scores},
+            scores={s.replica: [s.cached_tokens, round(s.load_cost, 1), round(s.cost, 1)]
+                    for s in decision.scores},
+            lags=replicas.lags(), prompt_tokens=request.num_tokens,
+        )  # fmt: skip
+        return decision.replica
+
+    def release(self, req_id: str) -> None:
+        """The request ended: its replica's events and status account for it from now on."""
+        if self.router is not None:
+            self.router.release(req_id)
+
+    def any_routable(self) -> bool:
+        """One replica (nothing followed) or at least one that is not out."""
+        if self.replica_set is None:
+            return True
+        return any(h is not ReplicaHealth.OUT for h in self.replica_set.healths().values())
+
+    def live_status(self) -> LedgerStatus | None:
+        """Several replicas: the newest status of one that is not out and has a worker (the
+        model's limits are the same on all), else the newest of any."""
+        if self.replica_set is None:
+            return None
+        states = self.replica_set.replicas.values()
+        seen = [s.status for s in states if s.status is not None]
+        usable = [
+            s.status
+            for s in states
+            if s.status is not None
+            and s.status.num_workers > 0
+            and self.replica_set.health(s.name) is not ReplicaHealth.OUT
+        ]
+        pool = usable or seen
+        return max(pool, key=lambda status: status.updated_at) if pool else None
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """The primary reader is started by the gateway; the others and the followers here."""
+        for dispatcher in self.dispatchers.values():
+            if dispatcher is not self.outputs:
+                await dispatcher.start()
+        if self.replica_set is not None:
+            await self.replica_set.start()
+        log.info("routing_started", policy=self.policy, replicas=self.names)
+
+    async def stop(self) -> None:
+        for dispatcher in self.dispatchers.values():
+            if dispatcher is not self.outputs:
+                await dispatcher.stop()
+        if self.replica_set is not None:
+            await self.replica_set.stop()
+
+
+def _span_attributes(decision: RouteDecision) -> dict:
+    chosen = decision.score_of(decision.replica)
+    return {
+        Attr.ROUTE_POLICY: decision.policy,
+        Attr.ROUTE_REPLICA: decision.replica,
+        Attr.ROUTE_CACHED_TOKENS: chosen.cached_tokens,
+        Attr.ROUTE_REPLICAS: [s.replica for s in decision.scores],
+        Attr.ROUTE_HEALTH: [s.health.value for s in decision.scores],
+        Attr.ROUTE_REPLICA_CACHED_TOKENS: [s.cached_tokens for s in decision.scores],
+        Attr.ROUTE_LOAD_COSTS: [float(s.load_cost) for s in decision.scores],
+        Attr.ROUTE_COSTS: [float(s.cost) for s in decision.scores],
+    }

@@ -1,0 +1,267 @@
+"""The gateway's shared state and its Redis side: ledger liveness (the status key), limits,
+back-pressure (requests in flight), the request stream, and the output reader's lifetime.
+One `Gateway` per aiohttp application, reached through `app[GATEWAY]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from opentelemetry.trace import Tracer
+from redis.exceptions import RedisError
+
+from gateway.fields import ApiError
+from gateway.output_reader import SHUTDOWN, OutputDispatcher
+from gateway.protocol import Limits
+from gateway.router import GatewayRouting
+from observability import GatewayMetrics, LedgerSnapshot, get_logger, new_registry
+from services.config import GatewayConfig
+from services.startup import freeze_after_startup
+from services.tokenization.tokenizer import Tokenizer
+from services.transport import redis_streams
+from services.wire import codec
+from services.wire.messages import AbortRequest, LedgerStatus
+
+log = get_logger("gateway")
+
+STALL_POLL_S = 1.0  # waiting requests share one status read a second
+STATUS_MAX_AGE_S = 0.1  # coalesces status reads when many requests arrive at once
+LEDGER_POLL_S = 0.1
+RETRY_AFTER_S = 1
+
+
+def default_gateway_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Gateway:
+    def __init__(
+        self, config: GatewayConfig, redis: aioredis.Redis, tokenizer: Tokenizer, tracer: Tracer
+    ) -> None:
+        self.config = config
+        self.redis = redis
+        self.tokenizer = tokenizer
+        self.tracer = tracer
+        self.gateway_id = config.gateway_id or default_gateway_id()
+        self.started_at = time.time()
+        self.default_model_name = config.model_name or tokenizer.name
+        self.registry = new_registry()
+        self.metrics = GatewayMetrics(self.registry, self.default_model_name)
+        # Which replica gets each request; its first replica's keys are the gateway's own.
+        self.routing = GatewayRouting(
+            config, redis, self.gateway_id, self.registry, tracer, self.metrics.record_dead_letter,
+            self.metrics.record_redis_outage,
+        )  # fmt: skip
+        self.streams = self.routing.primary
+        self.outputs: OutputDispatcher = self.routing.outputs
+        self.in_flight = 0
+        self.closing = False
+        self._status: LedgerStatus | None = None
+        self._status_read_at = -1e9
+        # Since when the last status reads found no ledger (or one without workers); None: fine.
+        self.stalled_since: float | None = None
+        self._aborts: set[asyncio.Task] = set()
+
+    # --- ledger liveness ---------------------------------------------------------------------
+
+    async def ledger_status(self, max_age_s: float = STATUS_MAX_AGE_S) -> LedgerStatus | None:
+        """The ledger's status key, or None when it is absent (no ledger) or unreadable."""
+        now = time.monotonic()
+        if now - self._status_read_at <= max_age_s:
+            return self._status
+        status = self.routing.live_status()
+        data = None
+        if self.routing.replica_set is None:
+            data = cast("bytes | None", await self.redis.get(self.streams.ledger_status))
+        if data is not None:
+            try:
+                status = codec.decode(data, LedgerStatus)
+            except codec.WireError as exc:
+                log.warning(
+                    "ledger_status_unreadable", key=self.streams.ledger_status, error=str(exc)
+                )
+        # One ledger's counters only mean something when there is one ledger.
+        if status is not None and status.metrics and self.routing.replica_set is None:
+            self.metrics.mirror_ledger(LedgerSnapshot.from_dict(status.metrics))
+        self._status, self._status_read_at = status, now
+        if status is not None and status.num_workers > 0:
+            self.stalled_since = None
+        elif self.stalled_since is None:
+            self.stalled_since = now
+        return status
+
+    async def check_progress(self, last_output_at: float) -> None:
+        """Fail a waiting request that cannot progress: no ledger status key (it expires 5 s
+        after the ledger's last write) or no workers for stall_timeout_s, and no output for as
+        long. Only a lasting absence counts, so a ledger late under load is not declared dead."""
+        try:
+            status = await self.ledger_status(max_age_s=STALL_POLL_S)
+        except RedisError as exc:
+            log.warning("ledger_status_unreadable", error=str(exc))
+            status = None
+            if self.stalled_since is None:
+                self.stalled_since = time.monotonic()
+        if self.stalled_since is None:
+            return
+        stalled_s = time.monotonic() - max(self.stalled_since, last_output_at)
+        if stalled_s < self.config.stall_timeout_s:
+            return
+        what = (
+            "the ledger has had no worker" if status is not None else "no ledger has been running"
+        )
+        raise ApiError(
+            503,
+            f"{what} for {stalled_s:.0f}s (--stall-timeout {self.config.stall_timeout_s:g}s, "
+            f"KVLEDGER_STALL_TIMEOUT); the request was aborted. "
+            + self.unavailable_message(status),
+            err_type="service_unavailable_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    async def wait_for_ledger(self) -> LedgerStatus:
+        """The status of a live ledger with at least one worker, waiting up to ledger_wait_s
+        for one (503 after: a request nobody can compute would only time out)."""
+        deadline = time.monotonic() + self.config.ledger_wait_s
+        while True:
+            self._refuse_when_closing()
+            status = await self.ledger_status()
+            # Several replicas: one must also be routable (its events followed to the end), or
+            # a gateway just started would refuse what a moment's wait lets it serve.
+            if status is not None and status.num_workers > 0 and self.routing.any_routable():
+                return status
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "ledger_unavailable", key=self.streams.ledger_status, status=bool(status)
+                )
+                raise ApiError(
+                    503, self.unavailable_message(status, self.config.ledger_wait_s),
+                    err_type="service_unavailable_error",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )  # fmt: skip
+            await asyncio.sleep(LEDGER_POLL_S)
+
+    def unavailable_message(self, status: LedgerStatus | None, waited_s: float = 0.0) -> str:
+        waited = f" (waited {waited_s:g}s)" if waited_s else ""
+        if status is not None:
+            return (
+                f"the ledger is running but has no worker to compute on{waited}. Start one with "
+                f"`kvledger worker` on the same Redis and stream prefix ('{self.streams.prefix}')."
+            )
+        return (
+            f"no ledger is running: the key '{self.streams.ledger_status}' is absent from "
+            f"Redis{waited}. Start one with `kvledger ledger` on the same Redis and stream "
+            f"prefix ('{self.streams.prefix}'), then retry."
+        )
+
+    def limits(self, status: LedgerStatus | None) -> Limits:
+        """The serving ledger's limits are the truth; the config stands in without a ledger."""
+        if status is None:
+            return Limits(
+                self.default_model_name, self.config.max_model_len, self.tokenizer.vocab_size
+            )
+        return Limits(
+            self.config.model_name or status.model_name or self.default_model_name,
+            status.max_model_len or self.config.max_model_len,
+            status.vocab_size or self.tokenizer.vocab_size,
+            status.scheduling_policy,
+        )
+
+    def settings(self) -> dict[str, Any]:
+        """The gateway's active settings, for /health (the ledger's ride in its status)."""
+        cfg = self.config
+        return {
+            "served_model_name": self.default_model_name,
+            "model": cfg.model,
+            "max_model_len": cfg.max_model_len,
+            "max_queue": cfg.max_queue,
+            "request_timeout_s": cfg.request_timeout_s,
+            "default_max_tokens": cfg.default_max_tokens,
+            "api_key_required": cfg.api_key is not None,
+        }
+
+    # --- back-pressure and the request stream -----------------------------------------------
+
+    @asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        """Hold one of max_queue slots for the request's whole life (429 when none is free)."""
+        self._refuse_when_closing()
+        if self.in_flight >= self.config.max_queue:
+            raise ApiError(
+                429,
+                f"this gateway already has {self.in_flight} requests in flight (max_queue="
+                f"{self.config.max_queue}); retry after {RETRY_AFTER_S}s",
+                err_type="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    def _refuse_when_closing(self) -> None:
+        if self.closing:
+            raise ApiError(
+                503, "the gateway is shutting down", err_type="service_unavailable_error"
+            )
+
+    async def send(self, msg: Any, replica: str | None = None) -> None:
+        """To the requests stream of `replica` (routing's choice; None: the first replica)."""
+        await redis_streams.append(self.redis, self.routing.requests_stream(replica), msg)
+
+    async def abort(self, req_id: str, reason: str, replica: str | None = None) -> None:
+        """Tell the ledger to free the request's blocks; survives the caller being cancelled."""
+        task = asyncio.create_task(self._send_abort(req_id, reason, replica))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        await asyncio.shield(task)
+
+    async def _send_abort(self, req_id: str, reason: str, replica: str | None) -> None:
+        try:
+            await self.send(AbortRequest(req_id, reason), replica)
+            log.info("request_aborted", req_id=req_id, reason=reason)
+        except (RedisError, OSError) as exc:
+            log.error("abort_not_sent", req_id=req_id, reason=reason, error=str(exc))
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # Started before its Redis (a host's boot order, an operator's restart), the gateway
+        # waits for it with backoff, one line when the wait begins and one when it ends, as
+        # the ledger and the worker do; it listens once Redis answers.
+        await redis_streams.Reconnect("startup", self.metrics.record_redis_outage).until_up(
+            self.redis
+        )
+        try:
+            await self.outputs.start()
+            await self.routing.start()
+        except RedisError as exc:
+            raise RuntimeError(
+                f"the gateway cannot reach Redis ({exc}); check --redis-url / KVLEDGER_REDIS_URL"
+            ) from None
+        log.info(
+            "gateway_started",
+            gateway_id=self.gateway_id,
+            outputs=self.outputs.stream,
+            gc_frozen=freeze_after_startup(),
+        )
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end every waiting one (each aborts itself on the ledger)."""
+        self.closing = True
+        self.outputs.broadcast(SHUTDOWN)
+        log.info("gateway_stopping", in_flight=self.in_flight)
+
+    async def stop(self) -> None:
+        self.closing = True
+        await self.outputs.stop()
+        await self.routing.stop()
+        if self._aborts:
+            await asyncio.wait(set(self._aborts), timeout=5)

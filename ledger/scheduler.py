@@ -1,0 +1,444 @@
+"""The scheduler: vLLM V1's single token budget, no prefill/decode phases.
+
+Each step first serves `running` (oldest first), growing each request by what it still needs
+(a prefill chunk or one decode token); when a request cannot grow, it preempts from the tail of
+`running` (the lowest priority under the priority policy) by recompute. Only if nothing was
+preempted does it admit from `waiting`, while blocks, budget and `max_num_seqs` allow, stopping
+at the first request that does not fit. The whole policy is `schedule()`, read top to bottom.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Generic
+
+from ledger.kv_cache_manager import KVCacheManager
+from ledger.request import P, Request, RequestStatus
+from ledger.request_queue import WaitingQueue
+from ledger.scheduler_output import (
+    Admission,
+    CachedRequestData,
+    NewRequestData,
+    Preemption,
+    RequestUpdate,
+    SchedulerOutput,
+)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_model_len: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority"
+    long_prefill_token_threshold: int = 0  # 0: no cap on one request's prefill chunk
+    # Schedule step N+1 before step N's tokens are back (vLLM's async scheduling): each request
+    # that samples in a step in flight counts one placeholder token, which the workers supply.
+    async_scheduling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal "
+                f"to max_num_seqs ({self.max_num_seqs})."
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}). This effectively limits the maximum sequence length to "
+                "max_num_batched_tokens and makes the scheduler reject longer sequences. Please "
+                "increase max_num_batched_tokens or decrease max_model_len."
+            )
+
+
+class Scheduler(Generic[P]):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        lendable = kv_cache_manager.block_pool.num_gpu_blocks - 1
+        needed = -(-config.max_model_len // kv_cache_manager.block_size)
+        if needed > lendable:
+            # A request could then grow past the whole pool and wedge the queue forever.
+            raise ValueError(
+                f"To serve at least one request with max_model_len ({config.max_model_len}), "
+                f"{needed} KV cache blocks are needed, but the pool lends {lendable}. The estimated "
+                f"maximum model length is {lendable * kv_cache_manager.block_size}. Decrease "
+                "max_model_len or give the pool more blocks."
+            )
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request[P]] = {}
+        self.waiting: WaitingQueue[P] = WaitingQueue(config.policy)
+        self.running: list[Request[P]] = []
+        self.step_id = 0
+        self.num_preemptions = 0
+        # Requests freed since the last step: the workers drop their state.
+        self.finished_req_ids: set[str] = set()
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, request: Request[P]) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: {request.num_tokens} prompt tokens leave no room "
+                f"for output within max_model_len {self.config.max_model_len}"
+            )
+        if request.block_size != self.block_size:
+            # Its hashes were cut at another block size: the pool's blocks are what they cover.
+            request.block_size = self.block_size
+            request.block_hashes = []
+            request.update_block_hashes()
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus
+    ) -> list[Request[P]]:
+        """Abort (or fail) requests wherever they are; returns those that were still known."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput[P]:
+        self.step_id += 1
+        out: SchedulerOutput[P] = SchedulerOutput(
+            step_id=self.step_id, finished_req_ids=self.finished_req_ids
+        )
+        self.finished_req_ids = set()
+        token_budget = self.config.max_num_batched_tokens
+        # Capping one request's prefill only matters when another request could use the budget.
+        threshold = (
+            self.config.long_prefill_token_threshold
+            if len(self.running) + len(self.waiting) > 1
+            else 0
+        )
+        new_blocks_of: dict[str, tuple[int, ...]] = {}
+        scheduled_running: list[Request[P]] = []
+
+        # 1. Running requests first, oldest first. The per-request arithmetic of
+        # `_has_all_outputs_in_flight` and `_num_new_tokens` is inlined: at 1,000 running
+        # requests this loop is most of a step, and the calls were a third of it.
+        running = self.running
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        pool = self.kv_cache_manager.block_pool
+        max_model_len = self.config.max_model_len
+        num_scheduled_tokens = out.num_scheduled_tokens
+        index = 0
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            pending = request.num_output_placeholders
+            if pending > 0 and (
+                num_tokens - request.num_prompt_tokens + pending >= request.max_tokens
+                or num_tokens + pending >= max_model_len
+            ):
+                index += 1  # the tokens still being sampled already finish it
+                continue
+            num_new_tokens = num_tokens + pending - num_computed
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            # Leave room for the token this step samples.
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            if num_new_tokens > max_model_len - num_computed - 1:
+                num_new_tokens = max_model_len - num_computed - 1
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    if pool.evictions:
+                        self._attribute_evictions(out, request)
+                    break
+                victim = self._pick_victim()
+                victim_index = running.index(victim)
+                del running[victim_index]
+                if victim_index < index:
+                    index -= 1
+                if victim in scheduled_running:  # only under the priority policy
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    new_blocks_of.pop(victim.request_id)
+                self._preempt(victim, caused_by=request, out=out)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                if self.config.policy == "priority" and request.status == RequestStatus.PREEMPTED:
+                    continue  # the request preempted itself; the one now at `index` is next
+                break
+            scheduled_running.append(request)
+            new_blocks_of[request.request_id] = (
+                tuple([block.block_id for block in new_blocks]) if new_blocks else ()
+            )
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            index += 1
+
+        # 2. Waiting requests, only when nobody was preempted this step.
+        scheduled_new: list[Request[P]] = []
+        while not out.preemptions and len(self.waiting) and token_budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            # num_tokens, not the prompt: a resumed request recomputes its outputs too. The cap
+            # comes before the budget check, so a capped prompt fits where the whole would not.
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new_tokens = token_budget
+            watermark_applied = bool(self.running) and self.kv_cache_manager.watermark_blocks > 0
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_hit_tokens,
+                hit_blocks,
+                full_sequence_must_fit=True,
+                has_scheduled_reqs=bool(self.running),
+            )
+            if new_blocks is None:
+                break  # head-of-line: nothing behind it jumps the queue
+            self._attribute_evictions(out, request)
+            self.kv_cache_manager.record_prefix_cache_stats(request, num_hit_tokens)
+            self.waiting.pop()
+            resumed = request.status == RequestStatus.PREEMPTED
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            self.running.append(request)
+            scheduled_new.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            out.admissions.append(
+                Admission(
+                    request_id=request.request_id,
+                    resumed=resumed,
+                    num_hit_tokens=num_hit_tokens,
+                    num_hit_blocks=len(hit_blocks),
+                    num_new_blocks=len(new_blocks),
+                    num_free_blocks_after=self.kv_cache_manager.num_free_blocks,
+                    watermark_applied=watermark_applied,
+                )
+            )
+
+        # 3. What the workers need, then advance num_computed_tokens past this step: one pass
+        # per request, in the order of num_scheduled_tokens (running, then new).
+        async_scheduling = self.config.async_scheduling
+        sampling_req_ids = out.sampling_req_ids
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        cached_reqs = out.scheduled_cached_reqs
+
+        def advance(request: Request[P], num_scheduled: int) -> None:
+            # Every token is now on the workers; the request samples once its computed tokens
+            # reach its known ones (placeholders included: async tokens still being sampled).
+            num_tokens = len(request.all_token_ids)
+            request.num_tokens_sent = num_tokens
+            num_computed = request.num_computed_tokens + num_scheduled
+            request.num_computed_tokens = num_computed
+            if num_computed >= num_tokens + request.num_output_placeholders:
+                sampling_req_ids.add(request.request_id)
+                if async_scheduling:
+                    request.num_output_placeholders += 1
+
+        for request in scheduled_running:
+            request_id = request.request_id
+            num_tokens = len(request.all_token_ids)
+            sent = request.num_tokens_sent
+            num_computed = request.num_computed_tokens
+            cached_reqs.append(
+                CachedRequestData(
+                    request,
+                    tuple(request.all_token_ids[sent:]) if sent < num_tokens else (),
+                    new_blocks_of[request_id],
+                    num_computed,
+                )
+            )
+            advance(request, num_scheduled_tokens[request_id])
+        for request in scheduled_new:
+            request_id = request.request_id
+            num_computed = request.num_computed_tokens
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    request=request,
+                    token_ids=list(request.all_token_ids),
+                    block_ids=get_block_ids(request_id),
+                    num_computed_tokens=num_computed,
+                )
+            )
+            advance(request, num_scheduled_tokens[request_id])
+        return out
+
+    def _pick_victim(self) -> Request[P]:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request[P], caused_by: Request[P], out: SchedulerOutput[P]) -> None:
+        """Preempt by recompute: free every block (tail first), start over from the front."""
+        num_freed = self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+        out.preempted_req_ids.append(request.request_id)
+        out.preemptions.append(Preemption(request.request_id, caused_by.request_id, num_freed))
+
+    def _attribute_evictions(self, out: SchedulerOutput[P], request: Request[P]) -> None:
+        evictions = self.kv_cache_manager.take_evictions()
+        if evictions:
+            out.evictions.setdefault(request.request_id, []).extend(evictions)
+
+    # ---------------------------------------------------------------- results of a step
+
+    def update_from_output(
+        self, out: SchedulerOutput[P], sampled: dict[str, int]
+    ) -> list[RequestUpdate[P]]:
+        """Append each sampled token, stop finished requests and free their blocks.
+
+        With async scheduling a later step may already be in flight: a request preempted since
+        this step was sent still gets its token (the workers computed it before dropping the
+        request), and a request that stops here was scheduled once more for nothing.
+
+        Async scheduling also caches here, as vLLM does when a step's tokens come back: the
+        blocks whose last slot this step computed. The request's next `allocate_slots` would
+        cache them too, but a request whose last token was already being sampled sits out the
+        next step and finishes here. (At most one step runs ahead of the results, so a
+        preempted request is never resumed while tokens of its old steps are still out.)
+        """
+        updates = []
+        sampling_req_ids = out.sampling_req_ids
+        requests = self.requests
+        manager = self.kv_cache_manager
+        num_cached_block = manager.num_cached_block
+        block_size = self.block_size
+        max_model_len = self.config.max_model_len
+        running = RequestStatus.RUNNING
+        for request_id in out.num_scheduled_tokens:
+            if request_id not in sampling_req_ids:
+                continue  # a prefill chunk that stops short samples nothing
+            request = requests.get(request_id)
+            token = sampled.get(request_id)
+            if request is None or token is None:
+                continue  # aborted meanwhile
+            was_running = request.status == running
+            had_placeholder = request.num_output_placeholders > 0
+            if had_placeholder:
+                request.num_output_placeholders -= 1
+            all_token_ids = request.all_token_ids
+            all_token_ids.append(token)
+            num_tokens = len(all_token_ids)
+            # Request.append_output_token_ids, called only when a block became full.
+            if (len(request.block_hashes) + 1) * request.block_size <= num_tokens:
+                request.update_block_hashes()
+            request.num_tokens_sent += 1  # the workers sampled it: they know it already
+            if had_placeholder and was_running:
+                # The steps still in flight (one placeholder each) are not computed yet.
+                num_done = request.num_computed_tokens - request.num_output_placeholders
+                # cache_blocks would return at once when no block became full.
+                if num_done // block_size > num_cached_block.get(request_id, 0):
+                    manager.cache_blocks(request, num_done)
+            # _check_stop, inlined: the token just appended is the last.
+            if (
+                token == request.eos_token_id
+                or token in request.stop_token_ids
+                or num_tokens >= max_model_len
+                or num_tokens - request.num_prompt_tokens >= request.max_tokens
+            ) and self._check_stop(request):
+                if was_running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                self._free_request(request)
+                updates.append(
+                    RequestUpdate(
+                        request, (token,), True, RequestStatus.finish_reason(request.status)
+                    )
+                )
+            else:
+                updates.append(RequestUpdate(request, (token,), False))
+        return updates
+
+    def _check_stop(self, request: Request[P]) -> bool:
+        # vLLM's order: EOS and stop tokens first. min_tokens is the sampler's job (the worker
+        # masks EOS and stop tokens until then), so the ledger never second-guesses a token.
+        last = request.all_token_ids[-1]
+        if request.eos_token_id is not None and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        if (
+            request.num_tokens >= self.config.max_model_len
+            or request.num_output_tokens >= request.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request[P]) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---------------------------------------------------------------- state
+
+    def preempt_all(self, reason: str) -> list[Preemption]:
+        """Preempt every running request (a worker was lost: its KV data is gone)."""
+        out: SchedulerOutput[P] = SchedulerOutput(step_id=self.step_id)
+        for request in reversed(list(self.running)):
+            self.running.remove(request)
+            self._preempt(request, caused_by=request, out=out)
+        for preemption in out.preemptions:
+            preemption.reason = reason
+        return out.preemptions
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(len(self.waiting))
+
+
+__all__ = [
+    "Admission",
+    "CachedRequestData",
+    "NewRequestData",
+    "Preemption",
+    "RequestUpdate",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "WaitingQueue",
+]

@@ -1,0 +1,91 @@
+"""The `hashes` field of a KV-events stream entry: the batch's block hashes as an index applies
+them, written by the ledger beside vLLM's own bytes (field `batch`, unchanged).
+
+A prefix index needs only each event's kind and block hashes, but vLLM's bytes are mostly the
+token_ids of BlockStored (~1.7 KB of a ~1.8 KB entry), which any decoder of them still has to
+scan. So the ledger adds, in the same XADD, a msgpack array of runs `[kind, [hash, ...]]`: kind
+0 BlockStored, 1 BlockRemoved, 2 AllBlocksCleared (no hashes), in the batch's event order, each
+run the block hashes of consecutive events of one kind. Applying the runs in order is applying
+the events in order. `batch` stays the record: an entry without `hashes` (an older ledger,
+another publisher) or whose `hashes` does not parse is read from `batch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Literal, cast
+
+import msgspec
+
+from ledger.events import AllBlocksCleared, AnyKVCacheEvent, BlockRemoved, BlockStored
+from services.events.snapshot import CLEARED, REMOVED, STORED, OpLog
+
+HASHES_FIELD = b"hashes"
+
+Run = tuple[int, list[int]]
+
+_ENCODER = msgspec.msgpack.Encoder()
+# Kinds outside 0-2 or hashes that are not ints are refused here, in C, like any malformed value.
+_DECODER = msgspec.msgpack.Decoder(list[tuple[Literal[0, 1, 2], list[int]]])
+
+try:  # Counter's own C loop (counts[h] = counts.get(h, 0) + 1), without Counter.update's checks
+    from _collections import _count_elements as count_into  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - other Pythons
+
+    def count_into(counts: dict[int, int], hashes: Iterable[int]) -> None:
+        for h in hashes:
+            counts[h] = counts.get(h, 0) + 1
+
+
+def remove_from(counts: dict[int, int], hashes: list[int]) -> None:
+    """One block fewer for each hash (a hash not held is skipped, as BlockRemoved of a block
+    the index never saw changes nothing)."""
+    for h in hashes:
+        n = counts.pop(h, 0)
+        if n > 1:
+            counts[h] = n - 1
+
+
+def apply_runs(counts: dict[int, int], runs: Iterable[Run], ops: OpLog | None = None) -> None:
+    """Apply runs in order to an index of hash -> blocks holding it (a subscriber's, the ledger's
+    snapshot mirror); if `ops` is given, append each run to it, for a checkpoint."""
+    for kind, hashes in runs:
+        if kind == STORED:
+            count_into(counts, hashes)
+        elif kind == REMOVED:
+            remove_from(counts, hashes)
+        else:
+            counts.clear()
+        if ops is not None:
+            ops.add(kind, hashes)
+
+
+def batch_runs(events: list[AnyKVCacheEvent]) -> list[Run]:
+    """The runs of one batch (only int hashes: the ledger's are always ints)."""
+    runs: list[Run] = []
+    kind = -1
+    hashes: list[int] = []
+    for event in events:
+        if type(event) is BlockStored:
+            if kind != STORED:
+                kind, hashes = STORED, []
+                runs.append((STORED, hashes))
+            hashes += event.block_hashes
+        elif type(event) is BlockRemoved:
+            if kind != REMOVED:
+                kind, hashes = REMOVED, []
+                runs.append((REMOVED, hashes))
+            hashes += event.block_hashes
+        elif type(event) is AllBlocksCleared:
+            kind = CLEARED
+            runs.append((CLEARED, []))
+    return runs
+
+
+def encode_runs(runs: list[Run]) -> bytes:
+    return _ENCODER.encode(runs)
+
+
+# Raises msgspec.DecodeError (ValidationError is one) for a malformed field. The decoder's own
+# method, not a function around it: a subscriber calls it once per stream entry.
+decode_runs = cast(Callable[[bytes], list[Run]], _DECODER.decode)

@@ -1,0 +1,1 @@
+"""The model's tokenizer and chat template, shared by the gateway, the worker and the indexer."""

@@ -1,0 +1,78 @@
+"""Every Redis key kvledger uses, per replica: one place that names them (StreamNames) and says
+how long the short-lived ones live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A gateway's outputs stream lives this long after the ledger last wrote to it or its reader
+# last refreshed it: the streams of gateways that restarted (a new id each start) or never
+# existed (a request naming an unknown gateway) go away on their own.
+OUTPUTS_TTL_S = 600
+
+
+@dataclass(slots=True)
+class StreamNames:
+    """Every Redis key of one replica (a ledger and its workers): `{prefix}:{{{replica}}}:...`.
+    The replica's name is a hash tag, so all of one replica's keys live in one slot of a Redis
+    Cluster (multi-stream reads and pipelines need that) and replicas spread over the masters."""
+
+    prefix: str = "kvl"
+    replica: str = "default"
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{{self.replica}}}"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.base}:requests"
+
+    @property
+    def results(self) -> str:
+        return f"{self.base}:results"
+
+    @property
+    def events(self) -> str:
+        return f"{self.base}:kv-events"
+
+    @property
+    def events_snapshot(self) -> str:
+        return f"{self.base}:kv-events:snapshot"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.base}:dead-letters"
+
+    @property
+    def ledger_status(self) -> str:
+        return f"{self.base}:ledger:status"
+
+    @property
+    def leader(self) -> str:
+        """The ledger lease: who leads this replica (engine.leadership)."""
+        return f"{self.base}:ledger:leader"
+
+    @property
+    def leader_token(self) -> str:
+        """The leaders' fencing counter: each new leader's token is above every earlier one."""
+        return f"{self.base}:ledger:leader-token"
+
+    def steps(self, group: str) -> str:
+        return f"{self.base}:steps:{group}"
+
+    def outputs(self, gateway_id: str) -> str:
+        """A gateway's outputs stream; it expires OUTPUTS_TTL_S after the last write or read."""
+        return f"{self.base}:outputs:{gateway_id}"
+
+    def gateway_marker(self, gateway_id: str) -> str:
+        """A key the gateway renews: its absence means Redis lost its data (see gateway.output_reader)."""
+        return f"{self.base}:gateways:{gateway_id}"
+
+    def worker(self, group: str, worker_id: str) -> str:
+        """A worker's registration key (`*` as worker_id: the pattern of the group's keys)."""
+        return f"{self.base}:workers:{group}:{worker_id}"
+
+    def tp_rendezvous(self, group: str, epoch: str) -> str:
+        """Where rank 0 of a tensor-parallel group publishes its store's host:port for an epoch."""
+        return f"{self.base}:tp:{group}:{epoch}"

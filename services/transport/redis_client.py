@@ -1,0 +1,74 @@
+"""The one place a Redis client is built: one server (`redis://`, `rediss://`, `unix://`) or a
+Redis Cluster (`redis+cluster://host:port[,host:port...]`, `rediss+cluster://` for TLS).
+
+On a cluster every command that names several keys must name keys of one hash slot. kvledger's
+keys carry their replica's name as a hash tag (`kvl:{r0}:...`, services.transport.keys.StreamNames), and
+no command mixes two replicas' keys: one XREADGROUP over a ledger's or worker's streams, one
+pipeline per replica. A pattern SCAN visits every master (RedisCluster.scan_iter does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.cluster import ClusterNode as SyncClusterNode
+from redis.cluster import RedisCluster as SyncRedisCluster
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def _cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """`redis+cluster://u:p@h1:7000,h2:7001/` -> (`redis://u:p@h1:7000/`, [(h1, 7000), (h2,
+    7001)]): the first node as a plain URL (credentials, TLS) and every seed node."""
+    parts = urlsplit(url)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    seeds = []
+    for item in hosts.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"redis_url: cluster node {item!r} is not host:port")
+        seeds.append((host.strip("[]"), int(port)))
+    first = f"{auth}@{hosts.split(',')[0]}" if auth else hosts.split(",")[0]
+    plain = urlunsplit((CLUSTER_SCHEMES[parts.scheme], first, "", parts.query, ""))
+    return plain, seeds
+
+
+def connect(url: str, **kwargs: Any) -> aioredis.Redis:
+    """An asyncio client for `url`; replies stay bytes."""
+    # redis-py 8 defaults socket_timeout to 5 s, which would cut every XREAD BLOCK longer than
+    # that; blocking reads carry their own timeout, so the socket gets none.
+    kwargs.setdefault("socket_timeout", None)
+    kwargs.setdefault("socket_connect_timeout", 5)
+    if not is_cluster_url(url):
+        kwargs.setdefault("health_check_interval", 30)
+        return aioredis.from_url(url, decode_responses=False, **kwargs)
+    plain, seeds = _cluster_seeds(url)
+    kwargs.pop("health_check_interval", None)
+    client = RedisCluster.from_url(
+        plain,
+        startup_nodes=[ClusterNode(host, port) for host, port in seeds],
+        decode_responses=False,
+        **kwargs,
+    )
+    # The services are written to the commands both clients serve (streams, strings, SCAN,
+    # non-transactional pipelines), so they take either under the single-server type.
+    return cast(aioredis.Redis, client)
+
+
+def connect_sync(url: str, **kwargs: Any) -> redis.Redis:
+    """A blocking client, for the launcher's start-up checks and the worker's heartbeat thread."""
+    if not is_cluster_url(url):
+        return redis.Redis.from_url(url, **kwargs)
+    plain, seeds = _cluster_seeds(url)
+    client = SyncRedisCluster.from_url(
+        plain, startup_nodes=[SyncClusterNode(host, port) for host, port in seeds], **kwargs
+    )
+    return cast(redis.Redis, client)

@@ -1,0 +1,236 @@
+"""Every message that crosses Redis, declared once (see `services.wire.codec` for the encoding).
+
+Streams (names in `services.transport.keys.StreamNames`):
+  requests  gateway -> ledger   GenerateRequest, AbortRequest
+  steps     ledger  -> workers  StepMessage (one per scheduler step), WorkerShutdown
+  results   workers -> ledger   WorkerHello (registration with capacity), StepResult
+  outputs   ledger  -> gateway  OutputBatch per step, RequestOutput for aborts (one stream per gateway)
+Parts nested inside messages (SamplingParams, NewRequestData, CachedRequestData, RequestOutput)
+are Records. The KV-events stream is not here: it carries vLLM's own `KVEventBatch` bytes (`ledger.events`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.wire.codec import Message, Record
+
+
+class StructuredOutput(Record):
+    """A structured-output constraint, compiled by the gateway into llguidance's grammar text
+    (`LLMatcher.grammar_from_*`): the worker masks every token the grammar does not allow."""
+
+    kind: str  # what the client asked: json, json_object, regex, choice or grammar
+    grammar: str  # llguidance's grammar (its JSON form), valid: the gateway checked it
+
+
+# vLLM's SamplingParams rules, the one home of them for the gateway, the engine and the worker:
+# a positive temperature below MAX_TEMP is raised to it (dividing logits by less overflows the
+# softmax), and one below SAMPLING_EPS (0) samples greedily, ignoring top_p, top_k and min_p.
+SAMPLING_EPS = 1e-5
+MAX_TEMP = 1e-2
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < SAMPLING_EPS
+
+
+def normalized_temperature(temperature: float) -> float:
+    return MAX_TEMP if 0 < temperature < MAX_TEMP else temperature
+
+
+class SamplingParams(Record):
+    """vLLM's sampling settings as the worker applies them (batched, in torch)."""
+
+    temperature: float = 0.0  # below 1e-5 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability
+    seed: int | None = None  # per-request generator seed; None draws from the worker's generator
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    eos_token_id: int | None = None  # None: never stop on EOS (ignore_eos)
+    presence_penalty: float = 0.0  # subtracted once from every token the output holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (or multiplies) logits of prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # every other token is masked
+    bad_words_token_ids: list[list[int]] | None = None  # the last token is banned after the rest
+    # Logprobs of the raw logits (vLLM's raw_logprobs mode): None asks for none, k >= 0 for the
+    # chosen token's and the k most likely tokens'.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    structured: StructuredOutput | None = None  # structured outputs (response_format, ...)
+
+
+class TokenLogprobs(Record):
+    """Logprobs at one position, as vLLM's per-position dict: the chosen (sampled or prompt)
+    token first, then the top-k tokens in rank order (ranks 1..k; the chosen one may repeat)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # the chosen token's rank: 1 + how many tokens are more likely (ties count)
+
+
+class PromptLogprobs(Record):
+    """A prefill chunk's prompt logprobs: entries for prompt positions start, start+1, ..."""
+
+    start: int  # >= 1: the first prompt token has no logprob
+    positions: list[TokenLogprobs]
+
+
+class GenerateRequest(Message, tag="generate"):
+    req_id: str
+    gateway_id: str  # the gateway whose outputs stream receives this request's tokens
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float  # wall clock, seconds
+    priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
+    cache_salt: str | None = None
+    traceparent: str | None = None  # W3C trace context of the gateway's request span
+
+
+class AbortRequest(Message, tag="abort"):
+    req_id: str
+    reason: str = "abort"
+
+
+class NewRequestData(Record):
+    """A request the workers have not seen: new, or resumed after a preemption (all its blocks)."""
+
+    req_id: str
+    token_ids: list[int]  # every token known so far: the prompt, plus outputs when resumed
+    num_prompt_tokens: int
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hit)
+    sampling: SamplingParams
+    traceparent: str | None = None
+
+
+class CachedRequestData(Record):
+    """A running request the workers already hold: only what changed since its last step."""
+
+    req_id: str
+    # Sequences so that the ledger hands over the core's tuples as they are (a list once decoded).
+    new_token_ids: Sequence[int]  # tokens the workers do not know yet (not those they sampled)
+    new_block_ids: Sequence[int]  # blocks appended to its block table this step
+    num_computed_tokens: int
+    traceparent: str | None = None
+
+
+class StepMessage(Message, tag="step"):
+    """One scheduler step, as vLLM's SchedulerOutput: the workers run exactly this batch.
+
+    For each scheduled request the workers process tokens
+    `all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[req_id]]`,
+    write their K/V into slots `block_id * block_size + offset`, and sample one token for every
+    request whose chunk reaches the end of its known tokens. A worker appends the tokens it samples
+    to its own copy of the request, so the next step can compute them before the ledger has seen
+    them; every request carries a seed, so all workers of a group sample the same tokens.
+    """
+
+    step_id: int
+    epoch: str  # the ledger's start id; workers drop their state when it changes
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    finished_req_ids: list[str]  # freed since the last step: drop their state
+    preempted_req_ids: list[str]  # preempted since the last step: drop their state
+    block_size: int
+    sent_at: float = 0.0
+    # The leader's fencing token (engine.leadership): workers drop steps whose token is
+    # below the highest they have seen, so a deposed leader cannot step them.
+    leader_token: int = 0
+
+
+class WorkerShutdown(Message, tag="worker_shutdown"):
+    reason: str = "ledger stopping"
+
+
+class WorkerHello(Message, tag="hello"):
+    """A worker's registration: who it is and how many KV blocks its memory profile allows."""
+
+    worker_id: str
+    group: str
+    num_gpu_blocks: int  # blocks its KV cache holds (before the ledger's null block)
+    block_size: int
+    bytes_per_block: int
+    available_kv_bytes: int
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    device: str
+    started_at: float
+    attention_backend: str = ""  # "cuda" (kernels/csrc) or "torch-reference", chosen at start-up
+    detail: str = ""  # the memory profile, for the ledger's start-up log
+    tp_rank: int = 0  # under tensor parallelism: this worker's shard of the group's model
+    tp_size: int = 1
+
+
+class StepResult(Message, tag="result"):
+    step_id: int
+    epoch: str
+    worker_id: str
+    sampled_token_ids: dict[str, int]  # req_id -> the token sampled this step
+    logprobs: dict[str, TokenLogprobs] | None = None  # for the requests that ask
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None  # for the requests that ask
+    execute_seconds: float = 0.0
+    error: str | None = None  # set when the worker could not run the step
+    leader_token: int = 0  # the step's token, echoed: the ledger drops results of another
+    # Set with `error` when the step failed because of these requests alone (req_id -> why):
+    # the ledger fails them and re-runs the others.
+    failed_requests: dict[str, str] | None = None
+
+
+class RequestOutput(Record, omit_defaults=True):
+    """What the ledger tells a gateway about one request after a step (or an abort).
+
+    `omit_defaults`: one goes out per running request per step, mostly with seven of its
+    fields at their defaults; leaving those out makes the batch a third of the bytes and half
+    the encoding time, and any decoder of this declaration fills them back in (same version).
+    `engine.translate.request_output` builds it positionally: keep the field order.
+    """
+
+    req_id: str
+    new_token_ids: Sequence[int]  # a list once decoded
+    position: int = 0  # index of new_token_ids[0] among the outputs: lets a gateway drop repeats
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at (first) admission, in tokens
+    num_preemptions: int = 0
+    error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    # Positions 1.. of the prompt (position 0 has none), with the output at position 0.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
+class OutputBatch(Message, tag="outputs"):
+    """One step's outputs for one gateway, in one stream entry (one XADD, one read, one decode)."""
+
+    outputs: list[RequestOutput]
+
+
+class LedgerStatus(Message, tag="ledger_status"):
+    """The ledger's heartbeat key: who is serving, with what capacity, and its live counters."""
+
+    epoch: str
+    started_at: float
+    updated_at: float
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_gpu_blocks: int
+    capacity_line: str
+    hash_algo: str
+    num_workers: int
+    num_running: int = 0
+    num_waiting: int = 0
+    metrics: dict[str, float] | None = None  # LedgerSnapshot, mirrored by the gateway's /metrics
+    attention_backends: dict[str, str] | None = None  # worker id -> the backend it runs
+    scheduling_policy: str = "fcfs"  # the gateway refuses priority != 0 under fcfs, as vLLM
+    async_scheduling: bool = True
+    enable_prefix_caching: bool = True
