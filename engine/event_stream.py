@@ -41,7 +41,7 @@ from services.transport.keys import StreamNames
 # of `batch`, ~0.2 KB of `hashes`).
 ASSUMED_ENTRY_BYTES = 2100
 # Redis' own cost per stream entry (id, field name, listpack bookkeeping), measured with
-# MEMORY USAGE (tests/services/test_redis_bounds.py: ~440 bytes per ~330-byte entry).
+# MEMORY USAGE (tests/engine/test_redis_bounds.py: ~440 bytes per ~330-byte entry).
 ENTRY_OVERHEAD_BYTES = 110
 MIN_MAXLEN = 1000  # subscribers catching up need some history, whatever the budget
 

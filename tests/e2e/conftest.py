@@ -1,4 +1,5 @@
-"""`kvledger up` as a subprocess, for tests that talk to the real stack over HTTP.
+"""End-to-end tests: `kvledger up` as a subprocess, and the real gateway, ledger and worker in
+process (`tests/harness/stack.py`, `gateway_stack.py`) for the tests that talk to them as clients do.
 
 `serve(model_dir, ...)` starts `python -m kvledger.cli up` (private redis-server, ledger, worker,
 gateway) on a free port, waits for its banner and a healthy gateway, yields a `Served` with the
@@ -27,6 +28,9 @@ import pytest
 import torch
 
 from services.transport.redis_server import free_port
+from tests.harness.fixtures import redis_url, tiny_model
+
+__all__ = ["redis_url", "tiny_model"]  # for the tests that run the stack in process
 
 ROOT = Path(__file__).resolve().parents[2]
 BANNER_END = "Press Ctrl-C to stop."
@@ -166,6 +170,16 @@ def serve(model_dir: str | Path, **settings) -> Iterator[Served]:
     """`with serve(folder, num_gpu_blocks=40, max_model_len=96) as served: served.url`"""
     with serving(launch(model_dir, **settings)) as (served,):
         yield served
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The long fuzz runs only when asked for by name: `-m fuzz`."""
+    if "fuzz" in (config.getoption("markexpr") or ""):
+        return
+    long_runs = [item for item in items if item.get_closest_marker("fuzz")]
+    if long_runs:
+        config.hook.pytest_deselected(items=long_runs)
+        items[:] = [item for item in items if not item.get_closest_marker("fuzz")]
 
 
 @pytest.fixture(autouse=True)

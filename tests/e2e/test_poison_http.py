@@ -15,7 +15,7 @@ import pytest
 from gpu_worker.checkpoint import load_model
 from tests.e2e.conftest import metric_value, serve
 from tests.e2e.test_traces import complete, token_prompts
-from tests.services.stack import dense_greedy
+from tests.harness.stack import dense_greedy
 
 pytestmark = pytest.mark.slow
 

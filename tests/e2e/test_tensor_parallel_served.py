@@ -25,7 +25,7 @@ from tests.e2e.test_checkpoints_served import (
     random_prompt,
 )
 from tests.gpu_worker.checkpoints import ARCHITECTURES, make_tiny_checkpoint
-from tests.services.stack import dense_greedy
+from tests.harness.stack import dense_greedy
 
 
 def get_text_sync(url: str) -> str:

@@ -8,6 +8,7 @@ import torch
 from gpu_worker.checkpoint import load_model
 from gpu_worker.model import LlamaForCausalLM
 from gpu_worker.runner import ModelRunner
+from tests.harness.fixtures import redis_url
 
 
 @pytest.fixture(autouse=True)
@@ -33,3 +34,6 @@ def make_runner(tiny_model: LlamaForCausalLM):
         return ModelRunner(tiny_model, num_blocks, block_size, seed=seed)
 
     return make
+
+
+__all__ = ["redis_url"]  # the step loop's tests run over a real redis-server

@@ -1,29 +1,5 @@
-from __future__ import annotations
+"""Fixtures: a real redis-server and the seeded tiny model (tests/harness/fixtures.py)."""
 
-import pytest
-import torch
+from tests.harness.fixtures import redis_url, tiny_model
 
-from gpu_worker.checkpoint import load_model
-from services.transport.redis_server import RedisServer
-
-
-@pytest.fixture(scope="session")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
-
-
-@pytest.fixture(scope="session")
-def tiny_model():
-    torch.set_num_threads(1)
-    return load_model("default", seed=0)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long fuzz runs only when asked for by name: `-m fuzz`."""
-    if "fuzz" in (config.getoption("markexpr") or ""):
-        return
-    long_runs = [item for item in items if item.get_closest_marker("fuzz")]
-    if long_runs:
-        config.hook.pytest_deselected(items=long_runs)
-        items[:] = [item for item in items if not item.get_closest_marker("fuzz")]
+__all__ = ["redis_url", "tiny_model"]

@@ -27,7 +27,7 @@ from services.wire.messages import (
     SamplingParams,
     StepMessage,
 )
-from tests.services.stack import dense_greedy
+from tests.harness.stack import dense_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL_S = 2.0

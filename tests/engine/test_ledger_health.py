@@ -8,7 +8,7 @@ import time
 from aiohttp.test_utils import TestClient, TestServer
 
 from engine.http import metrics_app
-from tests.services.stack import Stack
+from tests.harness.stack import Stack
 
 
 async def test_ledger_health_is_not_ready_once_every_worker_is_lost(redis_url, tiny_model):

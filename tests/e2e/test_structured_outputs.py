@@ -13,8 +13,8 @@ import llguidance
 from services.tokenization.tokenizer import ByteTokenizer
 from services.wire.messages import StructuredOutput
 from tests.gateway.helpers import read_sse
-from tests.services.gateway_stack import gateway_on
-from tests.services.stack import Stack
+from tests.harness.gateway_stack import gateway_on
+from tests.harness.stack import Stack
 
 SCHEMA = {
     "type": "object",

@@ -14,7 +14,7 @@ from ledger.hashing import to_event_hash
 from services.events.snapshot import decode_snapshot, snapshot_counts
 from services.wire import codec
 from services.wire.messages import GenerateRequest, SamplingParams, WorkerShutdown
-from tests.services.stack import Result, Stack, dense_greedy
+from tests.harness.stack import Result, Stack, dense_greedy
 
 
 def prompts(n: int, length: int, seed: int = 0, shared: int = 0) -> list[list[int]]:

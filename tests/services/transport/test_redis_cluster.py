@@ -12,16 +12,14 @@ from services.tokenization.tokenizer import load_tokenizer
 from services.transport import redis_client, redis_streams, registry
 from services.transport.keys import StreamNames
 from services.wire.messages import WorkerHello
+from tests.e2e import test_parallel_sampling
+from tests.engine import test_ledger_service
+from tests.harness.gateway_stack import gateway_on
+from tests.harness.stack import Stack, dense_greedy
+from tests.indexer import test_indexer
 from tests.redis_cluster import RedisClusterServers
-from tests.services import (
-    test_indexer,
-    test_ledger_service,
-    test_parallel_sampling,
-    test_subscriber,
-    test_transport,
-)
-from tests.services.gateway_stack import gateway_on
-from tests.services.stack import Stack, dense_greedy
+from tests.services.events import test_subscriber
+from tests.services.transport import test_redis_streams
 
 
 def _hello(worker_id: str) -> WorkerHello:
@@ -117,11 +115,13 @@ async def test_two_replicas_behind_the_precise_gateway_serve_end_to_end(cluster,
 
 
 async def test_transport_on_cluster(cluster):
-    await test_transport.test_a_restarted_consumer_rereads_its_pending_entries_once_then_new_ones(
-        cluster.url
+    await (
+        test_redis_streams.test_a_restarted_consumer_rereads_its_pending_entries_once_then_new_ones(
+            cluster.url
+        )
     )
-    await test_transport.test_entries_of_a_dead_consumer_can_be_claimed(cluster.url)
-    await test_transport.test_a_dead_letter_keeps_the_entry_and_the_error(cluster.url)
+    await test_redis_streams.test_entries_of_a_dead_consumer_can_be_claimed(cluster.url)
+    await test_redis_streams.test_a_dead_letter_keeps_the_entry_and_the_error(cluster.url)
 
 
 async def test_ledger_service_on_cluster(cluster, tiny_model):

@@ -15,7 +15,7 @@ from ledger.events import BlockStored
 from services.transport import redis_streams
 from services.transport.keys import OUTPUTS_TTL_S, StreamNames
 from services.wire.messages import GenerateRequest, SamplingParams
-from tests.services.stack import GATEWAY, Stack
+from tests.harness.stack import GATEWAY, Stack
 
 
 def _stored(rng: random.Random, blocks: int) -> BlockStored:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from gateway.app import listen, make_runner
 from services.config import GatewayConfig
 from tests.gateway.schema_strategies import invalid_body, valid_body
-from tests.services.stack import Stack
+from tests.harness.stack import Stack
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 SHORT = settings(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.services.stack import Stack, dense_greedy
+from tests.harness.stack import Stack, dense_greedy
 
 PROMPT = list(range(40, 80))  # 40 tokens: two full blocks of 16 are cacheable
 

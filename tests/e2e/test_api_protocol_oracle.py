@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from tests.gateway.helpers import read_sse
+from tests.harness.gateway_stack import gateway_on
+from tests.harness.stack import Stack
 from tests.oracle.conftest import require_vllm_python, run_driver
-from tests.services.gateway_stack import gateway_on
-from tests.services.stack import Stack
 
 pytestmark = pytest.mark.oracle
 

@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from gateway import create_app
 from services.config import GatewayConfig
-from tests.services.stack import Stack
+from tests.harness.stack import Stack
 
 
 @contextlib.asynccontextmanager

@@ -9,8 +9,8 @@ import math
 import openai
 import pytest
 
-from tests.services.gateway_stack import gateway_on
-from tests.services.stack import Stack
+from tests.harness.gateway_stack import gateway_on
+from tests.harness.stack import Stack
 
 MODEL = "kvledger-tiny-llama"
 CHAT = [{"role": "user", "content": "Name a colour."}]

@@ -8,8 +8,8 @@ import asyncio
 
 import msgpack
 
-from tests.services.gateway_stack import gateway_on
-from tests.services.stack import Stack
+from tests.harness.gateway_stack import gateway_on
+from tests.harness.stack import Stack
 
 PROMPT = "Paged attention shares the prompt blocks."  # 41 chars + BOS: two full blocks of 16
 
