@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.startup import StartupError
 from ledger.capacity import BlockCost, capacity_line, check_enough_blocks
+from services.startup import StartupError
 from services.wire.messages import WorkerHello
 
 

@@ -24,13 +24,13 @@ from observability.tracing import (
     extract_context,
     format_block_hashes,
     get_tracer,
-    tracer_if_on,
     inject_traceparent,
     link_from_traceparent,
     links_from_traceparents,
     record_span,
     setup_tracing,
     shutdown_tracing,
+    tracer_if_on,
     usage_attributes,
 )
 
@@ -47,7 +47,6 @@ __all__ = [
     "format_block_hashes",
     "get_logger",
     "get_tracer",
-    "tracer_if_on",
     "inject_traceparent",
     "link_from_traceparent",
     "links_from_traceparents",
@@ -57,5 +56,6 @@ __all__ = [
     "render",
     "setup_tracing",
     "shutdown_tracing",
+    "tracer_if_on",
     "usage_attributes",
 ]

@@ -17,8 +17,8 @@ from services.wire.messages import (
     StepMessage,
     StructuredOutput,
 )
-from tests.harness.stack import Stack, dense_greedy
 from tests.engine.test_ledger_service import prompts
+from tests.harness.stack import Stack, dense_greedy
 
 # A repetition penalty vLLM accepts (> 0, finite) that is 0 in float32: every prompt token
 # with a positive logit is divided by it into +inf, the softmax is NaN, and torch.multinomial

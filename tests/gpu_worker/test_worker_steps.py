@@ -12,8 +12,8 @@ import redis
 
 from gpu_worker.runner import ModelRunner
 from services.wire.messages import StepMessage
-from tests.harness.stack import Stack, dense_greedy
 from tests.engine.test_ledger_service import prompts
+from tests.harness.stack import Stack, dense_greedy
 
 SLOW_STEP_S = 3.0  # the stack's workers register with ttl_s=2.0 and beat every 0.3 s
 

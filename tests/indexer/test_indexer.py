@@ -15,8 +15,8 @@ from indexer.app import REPLICAS
 from ledger.hashing import BlockHasher
 from services.config import IndexerConfig
 from services.tokenization.tokenizer import load_tokenizer
-from tests.harness.stack import Stack
 from tests.engine.test_ledger_service import prompts
+from tests.harness.stack import Stack
 
 
 def ledger_hit_blocks(stack: Stack, prompt: list[int], cache_salt: str | None = None) -> int:

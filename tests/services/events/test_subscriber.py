@@ -9,8 +9,8 @@ from collections import Counter
 
 from ledger.hashing import BlockHasher, resolve_none_hash_seed, to_event_hash
 from services.events.subscriber import KVEventSubscriber
-from tests.harness.stack import Stack
 from tests.engine.test_ledger_service import prompts
+from tests.harness.stack import Stack
 
 
 async def drain(sub: KVEventSubscriber) -> None:
