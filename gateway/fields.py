@@ -6,7 +6,9 @@ cannot honour instead of ignoring them.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
+
+from ledger.hashing import cache_salt_problem
 
 MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1  # what msgpack carries
@@ -120,22 +122,11 @@ def read_stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
     )
 
 
-MAX_CACHE_SALT_LENGTH = 128
-_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
-
-
 def read_cache_salt(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
-    if len(value) > MAX_CACHE_SALT_LENGTH or any(c in _CACHE_SALT_FORBIDDEN for c in value):
-        raise bad_request(
-            f"'cache_salt' must be at most {MAX_CACHE_SALT_LENGTH} characters and must not "
-            "contain '@', '/', '\\\\' or NUL",
-            "cache_salt",
-        )
-    return value
+    problem = cache_salt_problem(value)
+    if problem is not None:
+        raise bad_request(problem, "cache_salt")
+    return cast("str | None", value)
 
 
 def read_str(body: dict[str, Any], name: str) -> str | None:

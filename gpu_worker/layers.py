@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.parallel import TensorParallel
+from ledger.capacity import cdiv
 
 Slices = tuple[slice, ...]
 
@@ -76,7 +77,7 @@ class RowParallelLinear(ParallelLinear):
 def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int, int]:
     """(first id, ids held from the checkpoint, padded rows per rank): the vocabulary is split
     into equal padded parts, the last rank's padding rows stay zero."""
-    per_rank = -(-vocab_size // tp.size)
+    per_rank = cdiv(vocab_size, tp.size)
     start = min(tp.rank * per_rank, vocab_size)
     return start, min(per_rank, vocab_size - start), per_rank
 

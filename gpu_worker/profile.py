@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.model import LlamaForCausalLM
 from kernels import AttentionBackend, AttentionPlan, KVCache, TorchReference, kv_cache_shape
-from ledger.capacity import kv_cache_bytes_per_block
+from ledger.capacity import cdiv, kv_cache_bytes_per_block
 
 GiB = 1 << 30
 NO_MEMORY = (
@@ -247,7 +247,7 @@ def dummy_batch(
     param = next(model.parameters())
     device = param.device
     lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-    blocks_per_seq = -(-max(lens) // bs)
+    blocks_per_seq = cdiv(max(lens), bs)
     shape = kv_cache_shape(blocks_per_seq * num_seqs, bs, model.num_local_kv_heads, cfg.head_dim)
     caches = [
         (

@@ -34,6 +34,7 @@ from kernels import (
     kv_cache_shape,
     select_backend,
 )
+from ledger.capacity import cdiv
 from services.wire.messages import (
     CachedRequestData,
     NewRequestData,
@@ -143,7 +144,7 @@ class ModelRunner:
         self._seed = seed
         self.structured = StructuredOutputs(tokenizer_model, self.config.vocab_size)
         # Decode steps replay CUDA graphs where the backend has them (the CUDA kernels).
-        max_blocks = min(num_blocks, -(-self.config.max_position_embeddings // block_size))
+        max_blocks = min(num_blocks, cdiv(self.config.max_position_embeddings, block_size))
         self.backend.use_cuda_graphs(self._forward, block_size, max_blocks)
 
     def _forward(
@@ -404,11 +405,11 @@ class ModelRunner:
         """Flattened input ids and positions, and the step's attention plan."""
         bs = self.block_size
         ids, pos, slots, lens = [], [], [], []
-        max_blocks = max(-(-(c.start + c.num_tokens) // bs) for c in chunks)
+        max_blocks = max(cdiv(c.start + c.num_tokens, bs) for c in chunks)
         tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
         for i, c in enumerate(chunks):
             end = c.start + c.num_tokens
-            table = np.asarray(c.state.block_ids[: -(-end // bs)], dtype=np.int64)
+            table = np.asarray(c.state.block_ids[: cdiv(end, bs)], dtype=np.int64)
             tables[i, : len(table)] = table
             p = np.arange(c.start, end, dtype=np.int64)
             ids.append(np.asarray(c.state.token_ids[c.start : end], dtype=np.int64))

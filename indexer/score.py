@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ledger.hashing import cache_salt_problem
 from services.tokenization.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "prompt_token_ids", "cache_salt")
@@ -47,6 +48,7 @@ def read_score_request(body: Any, tokenizer: Tokenizer) -> ScoreRequest:
                     f"prompt_token_ids[{index}]: must be a non-negative integer, got {token!r}"
                 )
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ScoreRequestError("cache_salt: must be a non-empty string (or absent)")
+    problem = cache_salt_problem(salt)  # the gateway's rule: a salt it refuses scores nothing
+    if problem is not None:
+        raise ScoreRequestError(f"cache_salt: {problem}")
     return ScoreRequest(token_ids, salt)

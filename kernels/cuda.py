@@ -22,6 +22,7 @@ from kernels.library import (
     int32,
     rows_of_16_bytes,
 )
+from kernels.reference import cdiv
 
 # Extra items the planner may spend on splitting long contexts, in GPU-fulls of CTAs.
 SPLIT_BUDGET_WAVES = 2
@@ -77,7 +78,7 @@ def plan_work(
     # Each tile holds at least one token, and all but each sequence's last are full.
     max_tiles = max(1, min(num_tokens, num_tokens // q_tile + num_seqs))
     cta_slots = num_sms * library.ctas_per_sm(kernel, dtype, head_dim, block_size)
-    split_items = -(-SPLIT_BUDGET_WAVES * cta_slots // num_kv_heads)
+    split_items = cdiv(SPLIT_BUDGET_WAVES * cta_slots, num_kv_heads)
     max_items = max_tiles + split_items
     max_slots = 2 * split_items  # a split tile has >= 2 chunks: slots <= 2 x extra items
     device = seq_lens.device

@@ -10,6 +10,11 @@ import torch
 import torch.nn.functional as F
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints (the kernels stand alone: the services' is ledger.capacity.cdiv)."""
+    return -(-a // b)
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -38,7 +43,7 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first `seq_len` K and V rows, unpaged: two `[seq_len, kv_heads, dim]`."""
     block_size = key_cache.shape[2]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     blocks = block_table[:num_blocks].to(torch.long)
     key = key_cache[blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
     value = value_cache[blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
@@ -144,7 +149,7 @@ def decode_batch(
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     max_len = int(seq_lens.max())
-    blocks = block_tables[:, : -(-max_len // block_size)].to(torch.long)
+    blocks = block_tables[:, : cdiv(max_len, block_size)].to(torch.long)
     valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None].long()
     # Slots past seq_len may hold anything (even NaN): zero them so 0-weight * NaN cannot leak.
     pad = ~valid[:, :, None, None]

@@ -124,3 +124,24 @@ class BlockHasher:
             parent = self.hash_block(parent, tokens, block_extra_keys(index, cache_salt, lora))
             hashes.append(parent)
         return hashes
+
+
+MAX_CACHE_SALT_LENGTH = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def cache_salt_problem(value: object) -> str | None:
+    """Why `value` cannot be a request's cache_salt (None: it can, or it is absent). The one
+    rule for everything that takes a salt (the gateway's requests, the indexer's /score): a
+    non-empty string of at most 128 characters, without '@', '/', '\\' or NUL (they delimit
+    the keys and topics a salt may end up in)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        return "'cache_salt' must be a non-empty string"
+    if len(value) > MAX_CACHE_SALT_LENGTH or any(c in _CACHE_SALT_FORBIDDEN for c in value):
+        return (
+            f"'cache_salt' must be at most {MAX_CACHE_SALT_LENGTH} characters and must not "
+            "contain '@', '/', '\\\\' or NUL"
+        )
+    return None

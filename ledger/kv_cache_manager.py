@@ -184,6 +184,7 @@ class KVCacheManager:
         num_tokens_need_slot = num_computed + num_new_tokens + num_lookahead_tokens
         if num_tokens_need_slot > max_model_len:
             num_tokens_need_slot = max_model_len
+        # cdiv(num_tokens_need_slot, block_size) inlined: once per request per step
         num_new_blocks = -(-num_tokens_need_slot // block_size) - num_held - num_hits
         if num_new_blocks < 0:
             num_new_blocks = 0

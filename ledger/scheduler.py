@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic
 
+from ledger.capacity import cdiv
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import P, Request, RequestStatus
 from ledger.request_queue import WaitingQueue
@@ -60,7 +61,7 @@ class Scheduler(Generic[P]):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         lendable = kv_cache_manager.block_pool.num_gpu_blocks - 1
-        needed = -(-config.max_model_len // kv_cache_manager.block_size)
+        needed = cdiv(config.max_model_len, kv_cache_manager.block_size)
         if needed > lendable:
             # A request could then grow past the whole pool and wedge the queue forever.
             raise ValueError(
