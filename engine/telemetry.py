@@ -78,7 +78,7 @@ class LedgerTelemetry:
                 start_ns=since,
                 end_ns=now,
                 context=ctx,
-                attributes={Attr.REQUEST_ID: rid, "kvledger.resumed": admission.resumed},
+                attributes={Attr.REQUEST_ID: rid, Attr.RESUMED: admission.resumed},
             )
             record_span(
                 self.tracer,
@@ -88,7 +88,7 @@ class LedgerTelemetry:
                 context=ctx,
                 attributes={
                     Attr.REQUEST_ID: rid,
-                    "kvledger.resumed": admission.resumed,
+                    Attr.RESUMED: admission.resumed,
                     Attr.PREFIX_HIT_TOKENS: admission.num_hit_tokens,
                     Attr.PREFIX_HIT_BLOCKS: admission.num_hit_blocks,
                     Attr.BLOCKS_ALLOCATED: admission.num_new_blocks,
@@ -149,7 +149,7 @@ class LedgerTelemetry:
                     Attr.EVICTED_BLOCK_HASHES: format_block_hashes(
                         to_event_hash(e.block_hash) for e in evictions
                     ),
-                    "kvledger.evicted_from_request_ids": sorted(owners),
+                    Attr.EVICTED_FROM_REQUEST_IDS: sorted(owners),
                 },
             )
         if self.metrics is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import cast
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Tracer
@@ -36,6 +37,7 @@ from services.routing.policy import (
 )
 from services.routing.replicas import ReplicaSet, parse_replicas
 from services.transport.keys import StreamNames
+from services.wire import codec
 from services.wire.messages import LedgerStatus
 
 log = get_logger("gateway.router")
@@ -64,28 +66,28 @@ def parse_weights(text: str | None) -> RoutingWeights:
 
 
 class GatewayRouting:
+    """What every way of routing shares: the replicas' streams, one output reader per replica
+    feeding the same per-request queues, and the routing counters. `routing_for` picks the
+    subclass: `OneReplica` (nothing to decide or follow) or `Replicas` (a policy over the
+    replicas' followed events and status)."""
+
+    one_ledger = True  # the gateway mirrors the one ledger's counters on its own /metrics
+
     def __init__(
         self,
         config: GatewayConfig,
+        replicas: dict[str, StreamNames],
         redis: aioredis.Redis,
         gateway_id: str,
         registry: CollectorRegistry,
-        tracer: Tracer,
         on_dead_letter: Callable[[str], None],
         on_outage: Callable[[str], None] | None = None,
     ) -> None:
         self.policy = config.routing
-        self.tracer = tracer
-        try:
-            self.replicas: dict[str, StreamNames] = dict(
-                parse_replicas(config.replicas or config.replica, config.stream_prefix)
-            )
-            weights = parse_weights(config.routing_weights)
-            limits = HealthLimits(config.route_stale_after_s, config.route_out_after_s)
-        except ValueError as exc:
-            raise ConfigError(f"gateway: {exc}") from None
-        names = list(self.replicas)
-        self.primary = self.replicas[names[0]]
+        self.replicas = replicas
+        self.names = list(replicas)
+        self.primary = replicas[self.names[0]]
+        self.redis = redis
         # One reader per replica (their streams live in different cluster slots), one set of
         # per-request queues: a request's outputs reach it from whichever replica serves it.
         self.dispatchers = {
@@ -97,25 +99,11 @@ class GatewayRouting:
                 marker=streams.gateway_marker(gateway_id),
                 on_outage=on_outage,
             )
-            for name, streams in self.replicas.items()
+            for name, streams in replicas.items()
         }
-        self.outputs = self.dispatchers[names[0]]
+        self.outputs = self.dispatchers[self.names[0]]
         for dispatcher in self.dispatchers.values():
             dispatcher.queues = self.outputs.queues
-        self.replica_set: ReplicaSet | None = None
-        self.router: Router | None = None
-        if len(names) > 1:
-            self.replica_set = ReplicaSet(
-                redis,
-                list(self.replicas.items()),
-                limits=limits,
-            )
-            self.router = Router(
-                self.policy,
-                names,
-                weights=weights,
-                prefix_source=self.replica_set.cached_blocks,
-            )
         self._routed = Counter(
             "kvledger:routed_requests",
             "Requests this gateway sent to each replica, by routing policy.",
@@ -134,25 +122,90 @@ class GatewayRouting:
             "its events and status show them.",
             registry=registry,
         )
-        router = self.router
-        pending.set_function(lambda: len(router.pending) if router is not None else 0)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.replicas)
+        pending.set_function(self.num_pending)
 
     def requests_stream(self, replica: str | None) -> str:
         return self.replicas.get(replica or "", self.primary).requests
 
-    # --- the decision ------------------------------------------------------------------------
-
     def route(self, job: Job, req_id: str) -> str:
         """The replica that gets this request (503 when every replica is out); it counts as
         pending there until `release`."""
-        if self.router is None or self.replica_set is None:
-            name = self.names[0]
-            self._routed.labels(name, "single").inc()
-            return name
+        raise NotImplementedError
+
+    def release(self, req_id: str) -> None:
+        """The request ended: its replica's events and status account for it from now on."""
+
+    def num_pending(self) -> int:
+        return 0
+
+    def any_routable(self) -> bool:
+        return True
+
+    async def read_status(self) -> LedgerStatus | None:
+        """The status of a ledger a request could go to (the model's limits, liveness)."""
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """The primary reader is started by the gateway; the others here."""
+        for dispatcher in self.dispatchers.values():
+            if dispatcher is not self.outputs:
+                await dispatcher.start()
+        log.info("routing_started", policy=self.policy, replicas=self.names)
+
+    async def stop(self) -> None:
+        for dispatcher in self.dispatchers.values():
+            if dispatcher is not self.outputs:
+                await dispatcher.stop()
+
+
+class OneReplica(GatewayRouting):
+    """Every request goes to the one replica; nothing is followed."""
+
+    def route(self, job: Job, req_id: str) -> str:
+        self._routed.labels(self.names[0], "single").inc()
+        return self.names[0]
+
+    async def read_status(self) -> LedgerStatus | None:
+        data = cast("bytes | None", await self.redis.get(self.primary.ledger_status))
+        if data is None:
+            return None
+        try:
+            return codec.decode(data, LedgerStatus)
+        except codec.WireError as exc:
+            log.warning("ledger_status_unreadable", key=self.primary.ledger_status, error=str(exc))
+            return None
+
+
+class Replicas(GatewayRouting):
+    """Several replicas: a `ReplicaSet` follows each one's KV events and ledger status, and a
+    `Router` picks one per request under the policy."""
+
+    one_ledger = False
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        replicas: dict[str, StreamNames],
+        redis: aioredis.Redis,
+        gateway_id: str,
+        registry: CollectorRegistry,
+        on_dead_letter: Callable[[str], None],
+        on_outage: Callable[[str], None] | None,
+        tracer: Tracer,
+        weights: RoutingWeights,
+        limits: HealthLimits,
+    ) -> None:
+        self.replica_set = ReplicaSet(redis, list(replicas.items()), limits=limits)
+        self.router = Router(
+            config.routing,
+            list(replicas),
+            weights=weights,
+            prefix_source=self.replica_set.cached_blocks,
+        )
+        self.tracer = tracer
+        super().__init__(config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage)
+
+    def route(self, job: Job, req_id: str) -> str:
         replicas = self.replica_set
         hashes: list[int] = []
         block_size = 0
@@ -190,21 +243,18 @@ class GatewayRouting:
         return decision.replica
 
     def release(self, req_id: str) -> None:
-        """The request ended: its replica's events and status account for it from now on."""
-        if self.router is not None:
-            self.router.release(req_id)
+        self.router.release(req_id)
+
+    def num_pending(self) -> int:
+        return len(self.router.pending)
 
     def any_routable(self) -> bool:
-        """One replica (nothing followed) or at least one that is not out."""
-        if self.replica_set is None:
-            return True
+        """At least one replica that is not out."""
         return any(h is not ReplicaHealth.OUT for h in self.replica_set.healths().values())
 
-    def live_status(self) -> LedgerStatus | None:
-        """Several replicas: the newest status of one that is not out and has a worker (the
-        model's limits are the same on all), else the newest of any."""
-        if self.replica_set is None:
-            return None
+    async def read_status(self) -> LedgerStatus | None:
+        """The newest status of a replica that is not out and has a worker (the model's limits
+        are the same on all), else the newest of any."""
         states = self.replica_set.replicas.values()
         seen = [s.status for s in states if s.status is not None]
         usable = [
@@ -217,23 +267,37 @@ class GatewayRouting:
         pool = usable or seen
         return max(pool, key=lambda status: status.updated_at) if pool else None
 
-    # --- lifetime ----------------------------------------------------------------------------
-
     async def start(self) -> None:
-        """The primary reader is started by the gateway; the others and the followers here."""
-        for dispatcher in self.dispatchers.values():
-            if dispatcher is not self.outputs:
-                await dispatcher.start()
-        if self.replica_set is not None:
-            await self.replica_set.start()
-        log.info("routing_started", policy=self.policy, replicas=self.names)
+        await super().start()
+        await self.replica_set.start()
 
     async def stop(self) -> None:
-        for dispatcher in self.dispatchers.values():
-            if dispatcher is not self.outputs:
-                await dispatcher.stop()
-        if self.replica_set is not None:
-            await self.replica_set.stop()
+        await super().stop()
+        await self.replica_set.stop()
+
+
+def routing_for(
+    config: GatewayConfig,
+    redis: aioredis.Redis,
+    gateway_id: str,
+    registry: CollectorRegistry,
+    tracer: Tracer,
+    on_dead_letter: Callable[[str], None],
+    on_outage: Callable[[str], None] | None = None,
+) -> GatewayRouting:
+    """One replica (the default) or several (`--replicas r0,r1,...`)."""
+    try:
+        replicas = dict(parse_replicas(config.replicas or config.replica, config.stream_prefix))
+        weights = parse_weights(config.routing_weights)
+        limits = HealthLimits(config.route_stale_after_s, config.route_out_after_s)
+    except ValueError as exc:
+        raise ConfigError(f"gateway: {exc}") from None
+    if len(replicas) == 1:
+        return OneReplica(config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage)
+    return Replicas(
+        config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage, tracer,
+        weights, limits,
+    )  # fmt: skip
 
 
 def _span_attributes(decision: RouteDecision) -> dict:

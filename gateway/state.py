@@ -11,22 +11,22 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any
 
 import redis.asyncio as aioredis
+from aiohttp import web
 from opentelemetry.trace import Tracer
 from redis.exceptions import RedisError
 
 from gateway.fields import ApiError
 from gateway.output_reader import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
-from gateway.router import GatewayRouting
+from gateway.router import routing_for
 from observability import GatewayMetrics, LedgerSnapshot, get_logger, new_registry
 from services.config import GatewayConfig
 from services.startup import freeze_after_startup
 from services.tokenization.tokenizer import Tokenizer
 from services.transport import redis_streams
-from services.wire import codec
 from services.wire.messages import AbortRequest, LedgerStatus
 
 log = get_logger("gateway")
@@ -55,7 +55,7 @@ class Gateway:
         self.registry = new_registry()
         self.metrics = GatewayMetrics(self.registry, self.default_model_name)
         # Which replica gets each request; its first replica's keys are the gateway's own.
-        self.routing = GatewayRouting(
+        self.routing = routing_for(
             config, redis, self.gateway_id, self.registry, tracer, self.metrics.record_dead_letter,
             self.metrics.record_redis_outage,
         )  # fmt: skip
@@ -76,19 +76,9 @@ class Gateway:
         now = time.monotonic()
         if now - self._status_read_at <= max_age_s:
             return self._status
-        status = self.routing.live_status()
-        data = None
-        if self.routing.replica_set is None:
-            data = cast("bytes | None", await self.redis.get(self.streams.ledger_status))
-        if data is not None:
-            try:
-                status = codec.decode(data, LedgerStatus)
-            except codec.WireError as exc:
-                log.warning(
-                    "ledger_status_unreadable", key=self.streams.ledger_status, error=str(exc)
-                )
+        status = await self.routing.read_status()
         # One ledger's counters only mean something when there is one ledger.
-        if status is not None and status.metrics and self.routing.replica_set is None:
+        if status is not None and status.metrics and self.routing.one_ledger:
             self.metrics.mirror_ledger(LedgerSnapshot.from_dict(status.metrics))
         self._status, self._status_read_at = status, now
         if status is not None and status.num_workers > 0:
@@ -265,3 +255,6 @@ class Gateway:
         await self.routing.stop()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=5)
+
+
+GATEWAY = web.AppKey("gateway", Gateway)  # the application's one Gateway

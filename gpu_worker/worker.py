@@ -296,7 +296,7 @@ class WorkerService:
             },
         )
         if error is not None:
-            span.set_attribute("error.type", error.split(":")[0])
+            span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
         span.end()
 
 

@@ -1,5 +1,5 @@
 """Prometheus metrics: vLLM's names, labels and buckets (vllm/v1/metrics/loggers.py) where vLLM
-has the metric, kvledger_* for our own. Each service builds its metrics on its own registry,
+has the metric, `kvledger:*` for our own (the same colon scheme, so a dashboard reads both alike). Each service builds its metrics on its own registry,
 never the global default, so tests and `kvledger up` can hold several side by side.
 """
 
@@ -96,12 +96,12 @@ _MIRRORED_COUNTERS = (
         "prefix_cache_hits",
     ),
     (
-        "kvledger_evicted_blocks",
+        "kvledger:evicted_blocks",
         "Cached KV blocks evicted to make room for allocations.",
         "evicted_blocks",
     ),
     (
-        "kvledger_kv_events_published",
+        "kvledger:kv_events_published",
         "KV-cache events (BlockStored, BlockRemoved, "
         "AllBlocksCleared) appended to the events stream.",
         "kv_events_published",
@@ -126,7 +126,7 @@ class LedgerMetrics:
             buckets=REQUEST_LATENCY_BUCKETS,
         ).labels(**self.labels)
         self._step_duration = Histogram(
-            "kvledger_step_duration_seconds",
+            "kvledger:step_duration_seconds",
             "Scheduler step latency: dispatch to the workers until their results are applied.",
             VLLM_LABELS,
             registry=registry,
@@ -135,14 +135,14 @@ class LedgerMetrics:
         self._dead_letters = dead_letters_counter(registry)
         self._redis_outages = redis_outages_counter(registry)
         self._worker_info = Gauge(
-            "kvledger_worker_info",
+            "kvledger:worker_info",
             "1 for each live worker, labelled with its device and the attention backend it runs.",
             ("worker_id", "device", "attention_backend"),
             registry=registry,
         )
         self._worker_labels: set[tuple[str, str, str]] = set()
         self._failed_requests = Counter(
-            "kvledger_failed_requests",
+            "kvledger:failed_requests",
             "Requests failed because a worker step failed with them: named by the worker "
             "(worker_error) or after too many failed steps (quarantined).",
             ("reason",),
@@ -180,10 +180,10 @@ class LedgerMetrics:
         self._queue_time.observe(seconds)
 
     def record_evictions(self, num_blocks: int) -> None:
-        self._counters["kvledger_evicted_blocks"].inc(num_blocks)
+        self._counters["kvledger:evicted_blocks"].inc(num_blocks)
 
     def record_kv_events(self, count: int) -> None:
-        self._counters["kvledger_kv_events_published"].inc(count)
+        self._counters["kvledger:kv_events_published"].inc(count)
 
     def record_step(self, seconds: float) -> None:
         self._step_duration.observe(seconds)
@@ -311,7 +311,7 @@ class _LedgerMirror(Collector):
 def dead_letters_counter(registry: CollectorRegistry) -> Counter:
     """Stream entries that did not parse and were moved to the dead-letter stream."""
     return Counter(
-        "kvledger_dead_letters",
+        "kvledger:dead_letters",
         "Stream entries rejected and appended to the dead-letter stream.",
         ("stream",),
         registry=registry,
@@ -321,7 +321,7 @@ def dead_letters_counter(registry: CollectorRegistry) -> Counter:
 def redis_outages_counter(registry: CollectorRegistry) -> Counter:
     """Times a loop lost its Redis connection (counted once per outage, when it begins)."""
     return Counter(
-        "kvledger_redis_outages",
+        "kvledger:redis_outages",
         "Redis outages seen by a service loop (one per outage, however long).",
         ("loop",),
         registry=registry,

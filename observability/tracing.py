@@ -51,6 +51,11 @@ class Attr:
     GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     GEN_AI_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 
+    HTTP_REQUEST_METHOD = "http.request.method"
+    HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+    URL_PATH = "url.path"
+    ERROR_TYPE = "error.type"
+
     MESSAGING_SYSTEM = "messaging.system"  # "redis"
     MESSAGING_OPERATION_TYPE = "messaging.operation.type"  # "process" on the step span
     MESSAGING_DESTINATION_NAME = "messaging.destination.name"  # the stream key
@@ -69,6 +74,8 @@ class Attr:
     ROUTE_REPLICA_CACHED_TOKENS = "kvledger.route.replica_cached_tokens"
     ROUTE_LOAD_COSTS = "kvledger.route.load_costs"
     ROUTE_COSTS = "kvledger.route.costs"
+    RESUMED = "kvledger.resumed"  # an admission that resumes a preempted request
+    EVICTED_FROM_REQUEST_IDS = "kvledger.evicted_from_request_ids"
     BLOCKS_ALLOCATED = "kvledger.blocks_allocated"
     FREE_BLOCKS_AFTER = "kvledger.free_blocks_after"
     WATERMARK_APPLIED = "kvledger.watermark_applied"

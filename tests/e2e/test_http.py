@@ -125,7 +125,7 @@ def test_chat_models_health_and_metrics(served):
     backends = health_body["ledger"]["attention_backends"]
     assert list(backends.values()) == ["torch-reference"]
     worker_id = next(iter(backends))
-    info = f'kvledger_worker_info{{attention_backend="torch-reference",device="cpu",worker_id="{worker_id}"}} 1.0'
+    info = f'kvledger:worker_info{{attention_backend="torch-reference",device="cpu",worker_id="{worker_id}"}} 1.0'
     assert info in text
     assert metric_value(text, "vllm:prefix_cache_queries_total") > 0
     assert "Maximum concurrency for 256 tokens per request" in served.capacity_line

@@ -91,7 +91,7 @@ def test_a_poison_request_gets_an_error_and_the_others_their_exact_tokens():
                 assert choice["finish_reason"] == "length", i
 
         metrics = ledger_metrics(served.ledger_metrics_url)
-        assert metric_value(metrics, "kvledger_failed_requests_total") == 2
+        assert metric_value(metrics, "kvledger:failed_requests_total") == 2
         assert metric_value(metrics, "vllm:kv_cache_usage_perc") == 0.0
         assert metric_value(metrics, "vllm:num_requests_running") == 0
         assert metric_value(metrics, "vllm:num_requests_waiting") == 0

@@ -269,4 +269,4 @@ def test_metrics_agree_with_the_ledger_and_the_traces(traced_run):
         for s in traced_run["spans"]
         if s["name"] == "kvledger.evict"
     )
-    assert metric_value(ledger, "kvledger_evicted_blocks_total") == evicted
+    assert metric_value(ledger, "kvledger:evicted_blocks_total") == evicted

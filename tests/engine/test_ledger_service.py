@@ -12,6 +12,7 @@ import msgpack
 
 from ledger.hashing import to_event_hash
 from services.events.snapshot import decode_snapshot, snapshot_counts
+from services.transport import redis_streams
 from services.wire import codec
 from services.wire.messages import GenerateRequest, SamplingParams, WorkerShutdown
 from tests.harness.stack import Result, Stack, dense_greedy
@@ -93,13 +94,13 @@ async def test_malformed_and_invalid_entries_are_dead_lettered_and_serving_goes_
         r, streams = stack.r, stack.streams
         await r.xadd(streams.requests, {b"m": b"\xc1 not msgpack"})
         await r.xadd(streams.requests, {b"other": b"field"})
-        await streams.append(r, streams.requests, WorkerShutdown(reason="misrouted"))
+        await redis_streams.append(r, streams.requests, WorkerShutdown(reason="misrouted"))
         missing = msgpack.packb({"v": 1, "kind": "generate", "req_id": "x"})
         await r.xadd(streams.requests, {b"m": missing})
         await r.xadd(streams.results, {b"m": b"garbage"})
         await r.xadd(streams.steps("default"), {b"m": msgpack.packb([1, 2, 3])})
         # A well-formed request whose content is wrong gets an error output, not a crash.
-        await streams.append(
+        await redis_streams.append(
             r,
             streams.requests,
             GenerateRequest(

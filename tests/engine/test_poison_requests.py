@@ -29,7 +29,7 @@ NOTHING_TO_SAMPLE = {"temperature": 1.0, "repetition_penalty": 1e-300}
 
 def failed_count(stack: Stack, reason: str) -> float:
     value = stack.ledger.metrics.registry.get_sample_value(
-        "kvledger_failed_requests_total", {"reason": reason}
+        "kvledger:failed_requests_total", {"reason": reason}
     )
     return value or 0.0
 

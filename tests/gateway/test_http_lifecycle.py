@@ -17,6 +17,7 @@ from opentelemetry.trace import SpanKind
 
 from gateway import create_app, serve
 from observability import Attr, LedgerSnapshot
+from services.transport import redis_streams
 from services.transport.keys import StreamNames
 from services.transport.redis_server import RedisServer, free_port
 from services.wire.messages import AbortRequest, OutputBatch, RequestOutput
@@ -125,14 +126,14 @@ async def test_outputs_for_unknown_requests_and_garbage_are_ignored(
     streams = StreamNames(prefix)
     outputs = streams.outputs(GATEWAY_ID)
     gone = RequestOutput("cmpl-gone", [1, 2], finished=True)
-    await streams.append(redis, outputs, OutputBatch(outputs=[gone]))
+    await redis_streams.append(redis, outputs, OutputBatch(outputs=[gone]))
     await redis.xadd(outputs, {b"m": b"not msgpack at all"})
     resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
     assert (await resp.json())["choices"][0]["text"] == TEXT[:4]
     dead = await redis.xrange(streams.dead_letters)
     assert len(dead) == 1 and dead[0][1][b"source_stream"] == outputs.encode()
     metrics = await (await client.get("/metrics")).text()
-    assert f'kvledger_dead_letters_total{{stream="{outputs}"}} 1.0' in metrics
+    assert f'kvledger:dead_letters_total{{stream="{outputs}"}} 1.0' in metrics
 
 
 async def test_models_serves_the_ledgers_model_name(start_gateway, start_ledger):
@@ -186,7 +187,7 @@ async def test_a_gateway_started_before_its_redis_waits_for_it_then_serves(make_
             body = await resp.json()
             assert body["status"] == "unavailable" and "no ledger is running" in body["message"]
             metrics = await (await client.get("/metrics")).text()
-            assert 'kvledger_redis_outages_total{loop="startup"} 1.0' in metrics, metrics
+            assert 'kvledger:redis_outages_total{loop="startup"} 1.0' in metrics, metrics
     finally:
         starting.cancel()
         await server.close()

@@ -79,10 +79,10 @@ def test_ledger_exposition_has_vllms_names_labels_and_values() -> None:
     assert _value(samples, "vllm:prefix_cache_hits_total") == 64
     assert _value(samples, "vllm:request_queue_time_seconds_count") == 1
     assert _value(samples, "vllm:request_queue_time_seconds_sum") == 0.4
-    assert _value(samples, "kvledger_evicted_blocks_total") == 5
-    assert _value(samples, "kvledger_kv_events_published_total") == 4
-    assert _value(samples, "kvledger_step_duration_seconds_count") == 1
-    assert samples[("kvledger_dead_letters_total", (("stream", "kvl:requests"),))] == 1
+    assert _value(samples, "kvledger:evicted_blocks_total") == 5
+    assert _value(samples, "kvledger:kv_events_published_total") == 4
+    assert _value(samples, "kvledger:step_duration_seconds_count") == 1
+    assert samples[("kvledger:dead_letters_total", (("stream", "kvl:requests"),))] == 1
     # vLLM's exposition, byte for byte: counters end in _total, labels sorted as vLLM's are.
     assert b"# TYPE vllm:num_preemptions_total counter\n" in text
     assert b'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 2.0\n' in text
@@ -157,8 +157,8 @@ def test_gateway_mirrors_the_ledgers_gauges_and_totals() -> None:
         "vllm:num_preemptions_total",
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
-        "kvledger_evicted_blocks_total",
-        "kvledger_kv_events_published_total",
+        "kvledger:evicted_blocks_total",
+        "kvledger:kv_events_published_total",
     ):
         assert _value(gateway_samples, name) == _value(ledger_samples, name), name
     assert b"# TYPE vllm:num_preemptions_total counter\n" in render(registry)
