@@ -339,11 +339,15 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 def _links() -> list[tuple[str, str, str]]:
     links = []
     for document in documents():
-        for number, line in document.prose:
-            for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
-                if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
-                    continue
-                links.append((document.name, f"{document.name}:{number}", target))
+        numbers = [number for number, _ in document.prose]
+        text = "\n".join(line for _, line in document.prose)
+        text = re.sub(r"`[^`\n]*`", lambda m: "`" * len(m.group()), text)  # code is not a link
+        for match in LINK.finditer(text):  # link text may run over a line break
+            target = match.group(1)
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            number = numbers[text.count("\n", 0, match.start(1))]
+            links.append((document.name, f"{document.name}:{number}", target))
     return links
 
 
@@ -357,23 +361,28 @@ def test_each_relative_link_leads_somewhere(source: str, where: str, target: str
         assert anchor in names, f"{where}: link to {target}: no heading #{anchor} in {path_part or source}"  # fmt: skip
 
 
-def repository_paths(text: str) -> Iterator[str]:
-    """Backticked words that name a file or folder of this repository."""
-    for code in re.findall(r"`([^`\n]+)`", text):
-        word = code.strip()
-        if " " in word or "/" not in word or re.search(r"[*<>{}\[\]|]|\.\.\.", word):
+def repository_paths(text: str) -> Iterator[tuple[int, str]]:
+    """(offset, path) of each backticked word that names a file or folder of this repository.
+    Words with a placeholder or a pattern (`<name>`, `*`, `{a,b}`, `...`) and words whose first
+    segment is no top-level folder (`csrc/host_emulation.cuh`, `../shared/seeds/`) are not
+    checked."""
+    for match in re.finditer(r"`([^`]+)`", text):  # a code span may run over a line break
+        word = match.group(1).strip()
+        if re.search(r"\s", word) or "/" not in word or re.search(r"[*<>{}\[\]|]|\.\.\.", word):
             continue
         word = re.sub(r"(\.\w+):\w+$", r"\1", word)  # services/environment.py:ENV_VARS
         if word.split("/", 1)[0] in TOP_LEVEL:
-            yield word
+            yield match.start(1), word
 
 
 def _repository_paths() -> list[tuple[str, str]]:
     found: dict[str, set[str]] = {}
     for document in documents():
-        for number, line in prose_lines(document):
-            for path in repository_paths(line):
-                found.setdefault(path, set()).add(f"{document.name}:{number}")
+        lines = list(prose_lines(document))
+        text = "\n".join(line for _, line in lines)
+        for offset, path in repository_paths(text):
+            number = lines[text.count("\n", 0, offset)][0]
+            found.setdefault(path, set()).add(f"{document.name}:{number}")
     return sorted((path, ", ".join(sorted(where))) for path, where in found.items())
 
 
