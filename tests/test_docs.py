@@ -226,7 +226,8 @@ def found_in_documents() -> Found:
 @functools.cache
 def help_texts() -> dict[tuple[str, str], subprocess.CompletedProcess[str]]:
     """Every command's `--help`, run in parallel, from the repository root."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
     commands = list(found_in_documents().commands.items())
 
     def run(command: Command) -> subprocess.CompletedProcess[str]:
@@ -248,7 +249,8 @@ def _commands() -> list[Command]:
 
 
 def _files() -> list[tuple[str, str]]:
-    return sorted((path, ", ".join(sorted(where))) for path, where in found_in_documents().files.items())  # fmt: skip
+    files = found_in_documents().files
+    return sorted((path, ", ".join(sorted(where))) for path, where in files.items())
 
 
 def test_the_documents_are_there():
@@ -283,7 +285,8 @@ def test_each_script_without_help_is_listed_with_its_reason():
         if path not in NO_HELP
     }
     assert not unlisted, (
-        f"scripts run by the documents and checked only to exist: {unlisted}; run their --help here or list them in NO_HELP with the reason"
+        f"scripts the documents run that are only checked to exist: {unlisted}; "
+        "check their --help here, or list them in NO_HELP with the reason"
     )
 
 
@@ -351,14 +354,16 @@ def _links() -> list[tuple[str, str, str]]:
     return links
 
 
-@pytest.mark.parametrize(("source", "where", "target"), _links(), ids=[f"{w} {t}" for _, w, t in _links()])  # fmt: skip
+@pytest.mark.parametrize(
+    ("source", "where", "target"), _links(), ids=[f"{w} {t}" for _, w, t in _links()]
+)
 def test_each_relative_link_leads_somewhere(source: str, where: str, target: str):
     path_part, _, anchor = target.partition("#")
     path = (ROOT / source).parent / path_part if path_part else ROOT / source
     assert path.exists(), f"{where}: link to {target}: {path_part} does not exist"
     if anchor and path.suffix == ".md":
         names = anchors(read_document(path))
-        assert anchor in names, f"{where}: link to {target}: no heading #{anchor} in {path_part or source}"  # fmt: skip
+        assert anchor in names, f"{where}: link to {target}: no heading #{anchor} in {path.name}"
 
 
 def repository_paths(text: str) -> Iterator[tuple[int, str]]:
@@ -386,7 +391,9 @@ def _repository_paths() -> list[tuple[str, str]]:
     return sorted((path, ", ".join(sorted(where))) for path, where in found.items())
 
 
-@pytest.mark.parametrize(("path", "where"), _repository_paths(), ids=[p for p, _ in _repository_paths()])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "where"), _repository_paths(), ids=[p for p, _ in _repository_paths()]
+)
 def test_each_backticked_repository_path_exists(path: str, where: str):
     assert (ROOT / path).exists(), f"{path} (named in {where}) does not exist"
 
