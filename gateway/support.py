@@ -2,7 +2,7 @@
 either works as in vLLM or is refused with a 400 naming it. A field vLLM does not know is refused
 too (vLLM would ignore it; a client that sent it expects something).
 
-The tables are the single source for the checks, the README's field list and /openapi.json.
+The tables are the single source for the checks, the field list of docs/api.md and /openapi.json.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def _unknown(name: str, param: str) -> str:
 
 
 def markdown_field_list() -> str:
-    """The README's list of fields, one line each (a test keeps the README equal to it)."""
+    """docs/api.md's list of fields, one line each (a test keeps docs/api.md equal to it)."""
     shared = [n for n, s in COMPLETION_FIELDS.items() if CHAT_FIELDS.get(n) == s]
     lines = ["Both endpoints:", ""]
     lines += [_line(n, COMPLETION_FIELDS[n]) for n in shared]

@@ -29,7 +29,7 @@ def kv_cache_shape(
 ) -> tuple[int, int, int, int]:
     """The shape of one layer's key (and value) cache: HND, [num_blocks, num_kv_heads,
     block_size, head_dim], so one KV head's page is one contiguous block_size * head_dim run
-    that a warp of the kernels copies in whole (see README, "The KV cache layout")."""
+    that a warp of the kernels copies in whole (docs/kernels.md, "The KV cache layout")."""
     return (num_blocks, num_kv_heads, block_size, head_dim)
 
 

@@ -1,5 +1,5 @@
 """The environment kvledger reads: every variable declared in `ENV_VARS` (name -> meaning), so
-the compose file, the README and the code cannot drift apart; secrets (the API key, a Redis
+the compose file, the docs and the code cannot drift apart; secrets (the API key, a Redis
 password) come only from the environment or a file, never from flags, and the logs redact them.
 """
 

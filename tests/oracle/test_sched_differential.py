@@ -8,7 +8,7 @@ requests, new block ids of running ones, preempted and finished ids, the outputs
 finish reasons), the KV-event bytes, the free-queue order and every block's ref count.
 
 `NUM_RANDOM` random workloads per mode run every time; `-m oracle_sweep` runs `NUM_SWEEP` more
-per mode (see the README).
+per mode (docs/testing.md).
 """
 
 from __future__ import annotations
