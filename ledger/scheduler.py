@@ -118,24 +118,36 @@ class Scheduler(Generic[P]):
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> SchedulerOutput[P]:
+        """One step, as vLLM's: running requests first, oldest first, each growing by what it
+        needs (preempting from the tail of `running` when its blocks do not fit); then, only
+        when nobody was preempted, waiting requests while blocks, the token budget and
+        max_num_seqs allow; then what the workers need to run the step."""
         self.step_id += 1
         out: SchedulerOutput[P] = SchedulerOutput(
             step_id=self.step_id, finished_req_ids=self.finished_req_ids
         )
         self.finished_req_ids = set()
-        token_budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         # Capping one request's prefill only matters when another request could use the budget.
         threshold = (
             self.config.long_prefill_token_threshold
             if len(self.running) + len(self.waiting) > 1
             else 0
         )
+        scheduled_running, new_blocks_of, budget = self._schedule_running(out, budget, threshold)
+        scheduled_new = self._schedule_waiting(out, budget, threshold)
+        self._describe_for_workers(out, scheduled_running, new_blocks_of, scheduled_new)
+        return out
+
+    def _schedule_running(
+        self, out: SchedulerOutput[P], token_budget: int, threshold: int
+    ) -> tuple[list[Request[P]], dict[str, tuple[int, ...]], int]:
+        """The running requests this step grows, their new block ids, and the budget left."""
         new_blocks_of: dict[str, tuple[int, ...]] = {}
         scheduled_running: list[Request[P]] = []
-
-        # 1. Running requests first, oldest first. The per-request arithmetic of
-        # `_has_all_outputs_in_flight` and `_num_new_tokens` is inlined: at 1,000 running
-        # requests this loop is most of a step, and the calls were a third of it.
+        # vLLM's per-request checks (are all its outputs already in flight? how many new
+        # tokens?) are written out in this loop rather than called: at 1,000 running requests
+        # the loop is most of a step, and those two calls were a third of it.
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
         pool = self.kv_cache_manager.block_pool
@@ -193,8 +205,12 @@ class Scheduler(Generic[P]):
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             index += 1
+        return scheduled_running, new_blocks_of, token_budget
 
-        # 2. Waiting requests, only when nobody was preempted this step.
+    def _schedule_waiting(
+        self, out: SchedulerOutput[P], token_budget: int, threshold: int
+    ) -> list[Request[P]]:
+        """Waiting requests admitted this step, only when nobody was preempted in it."""
         scheduled_new: list[Request[P]] = []
         while not out.preemptions and len(self.waiting) and token_budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -244,9 +260,18 @@ class Scheduler(Generic[P]):
                     watermark_applied=watermark_applied,
                 )
             )
+        return scheduled_new
 
-        # 3. What the workers need, then advance num_computed_tokens past this step: one pass
-        # per request, in the order of num_scheduled_tokens (running, then new).
+    def _describe_for_workers(
+        self,
+        out: SchedulerOutput[P],
+        scheduled_running: list[Request[P]],
+        new_blocks_of: dict[str, tuple[int, ...]],
+        scheduled_new: list[Request[P]],
+    ) -> None:
+        """What the workers need, then num_computed_tokens advanced past this step: one pass
+        per request, in the order of num_scheduled_tokens (running, then new)."""
+        num_scheduled_tokens = out.num_scheduled_tokens
         async_scheduling = self.config.async_scheduling
         sampling_req_ids = out.sampling_req_ids
         get_block_ids = self.kv_cache_manager.get_block_ids
@@ -290,7 +315,6 @@ class Scheduler(Generic[P]):
                 )
             )
             advance(request, num_scheduled_tokens[request_id])
-        return out
 
     def _pick_victim(self) -> Request[P]:
         if self.config.policy == "priority":
@@ -363,45 +387,32 @@ class Scheduler(Generic[P]):
                 # cache_blocks would return at once when no block became full.
                 if num_done // block_size > num_cached_block.get(request_id, 0):
                     manager.cache_blocks(request, num_done)
-            # _check_stop, inlined: the token just appended is the last.
-            if (
-                token == request.eos_token_id
-                or token in request.stop_token_ids
-                or num_tokens >= max_model_len
+            # Does the token just appended stop it? vLLM's order: EOS and stop tokens first.
+            # min_tokens is the sampler's job (the worker masks EOS and stop tokens until then),
+            # so the ledger never second-guesses a token. Written out, not called: once per
+            # request per step.
+            if token == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif token in request.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+            elif (
+                num_tokens >= max_model_len
                 or num_tokens - request.num_prompt_tokens >= request.max_tokens
-            ) and self._check_stop(request):
-                if was_running:
-                    self.running.remove(request)
-                else:
-                    self.waiting.remove(request)
-                self._free_request(request)
-                updates.append(
-                    RequestUpdate(
-                        request, (token,), True, RequestStatus.finish_reason(request.status)
-                    )
-                )
+            ):
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             else:
                 updates.append(RequestUpdate(request, (token,), False))
+                continue
+            if was_running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free_request(request)
+            updates.append(
+                RequestUpdate(request, (token,), True, RequestStatus.finish_reason(request.status))
+            )
         return updates
-
-    def _check_stop(self, request: Request[P]) -> bool:
-        # vLLM's order: EOS and stop tokens first. min_tokens is the sampler's job (the worker
-        # masks EOS and stop tokens until then), so the ledger never second-guesses a token.
-        last = request.all_token_ids[-1]
-        if request.eos_token_id is not None and last == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if last in request.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-        if (
-            request.num_tokens >= self.config.max_model_len
-            or request.num_output_tokens >= request.max_tokens
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def _free_request(self, request: Request[P]) -> None:
         self.kv_cache_manager.free(request)
