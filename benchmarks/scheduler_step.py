@@ -231,10 +231,15 @@ def run_side(side: str, scenario: str, gc_mode: str, steps: int) -> dict[str, An
 # ---------------------------------------------------------------- the parent
 
 
-def child(python: str, side: str, scenario: str, gc_mode: str, steps: int) -> dict[str, Any]:
+def child(
+    python: str, side: str, scenario: str, gc_mode: str, steps: int, script: str = __file__
+) -> dict[str, Any]:
+    """One repetition in a fresh process; `script` is this file of the tree to time (another
+    checkout's with --baseline-tree: its ROOT is then that checkout)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "tests" / "oracle"))
-        command = [python, "-P", __file__, "--child", side, scenario, gc_mode, str(steps), f.name]
+        tree = Path(script).resolve().parent.parent
+        env = dict(os.environ, PYTHONPATH=str(tree / "tests" / "oracle"))
+        command = [python, "-P", script, "--child", side, scenario, gc_mode, str(steps), f.name]
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             raise SystemExit(f"{side} {scenario} {gc_mode} failed:\n{done.stderr[-3000:]}")
@@ -275,18 +280,30 @@ def main() -> int:
     parser.add_argument("--scenarios", default="plain,pressure")
     parser.add_argument("--gc-modes", default="on,freeze")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/scheduler_step.json"))
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="another kvledger checkout (e.g. `git worktree add /tmp/base <commit>`) timed as a "
+        "third side, interleaved: kvledger / baseline is printed beside kvledger / vLLM",
+    )
     args = parser.parse_args()
-    sides = {"kvledger": sys.executable}
+    sides = {"kvledger": (sys.executable, __file__)}
     if args.vllm_venv:
-        sides["vllm"] = str(Path(args.vllm_venv) / "bin" / "python")
+        sides["vllm"] = (str(Path(args.vllm_venv) / "bin" / "python"), __file__)
+    if args.baseline_tree:
+        sides["baseline"] = (
+            sys.executable,
+            str(args.baseline_tree / "benchmarks" / Path(__file__).name),
+        )
     runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for rep in range(args.reps):
         for scenario in args.scenarios.split(","):
-            order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+            order = list(sides)[rep % len(sides) :] + list(sides)[: rep % len(sides)]
             for gc_mode in args.gc_modes.split(","):
                 for side in order:
                     which = "vllm" if side == "vllm" else "ours"
-                    result = child(sides[side], which, scenario, gc_mode, args.steps)
+                    python, script = sides[side]
+                    result = child(python, which, scenario, gc_mode, args.steps, script)
                     runs.setdefault((scenario, gc_mode, side), []).append(result)
                     print(f"rep {rep} {scenario} gc={gc_mode} {side}: "
                           f"median {statistics.median(result['step_ms']):.2f} ms", flush=True)  # fmt: skip
@@ -309,6 +326,13 @@ def main() -> int:
                 ratios[f"{scenario}/{gc_mode}"] = ratio
                 print(f"{scenario}/{gc_mode}: kvledger / vLLM  median {ratio['median_ms']:.2f}x  "
                       f"mean {ratio['mean_ms']:.2f}x  p99 {ratio['p99_ms']:.2f}x")  # fmt: skip
+            base = table.get(f"{scenario}/{gc_mode}/baseline")
+            if ours and base:
+                ratio = {k: ours[k] / base[k] for k in ("median_ms", "mean_ms", "p99_ms")}
+                ratios[f"{scenario}/{gc_mode}/vs_baseline"] = ratio
+                print(f"{scenario}/{gc_mode}: kvledger / baseline  median "
+                      f"{ratio['median_ms']:.3f}x  mean {ratio['mean_ms']:.3f}x  "
+                      f"p99 {ratio['p99_ms']:.3f}x")  # fmt: skip
     meta = {"reps": args.reps, "steps": args.steps, "num_blocks": NUM_BLOCKS}
     meta["gc_modes"] = {"on": "GC as in production", "freeze": "gc.freeze() after start-up"}
     Path(args.out).write_text(json.dumps({**meta, "results": table, "ratios": ratios}, indent=1))
