@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from indexer.score import ScoreRequestError, read_score_request
 from observability import get_logger
@@ -29,6 +31,7 @@ from services.routing.policy import HealthLimits, ReplicaHealth
 from services.routing.replicas import ReplicaSet, parse_replicas
 from services.tokenization.tokenizer import Tokenizer, load_tokenizer
 from services.transport import redis_streams
+from services.transport.registry import known_replicas
 
 log = get_logger("indexer")
 
@@ -145,6 +148,26 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind}}, status=status)
 
 
+async def _hint_at_replicas(config: IndexerConfig) -> None:
+    """`--replicas default` under `kvledger up --replicas N` (named r0, r1, ...) shows nothing:
+    say which replicas do publish events here, once, at start."""
+    r = redis_streams.connect(str(config.redis_url))
+    try:
+        found = await known_replicas(r, config.stream_prefix)
+    except (RedisError, OSError):
+        return  # Redis not up yet: the followers wait for it and log that
+    finally:
+        await r.aclose()
+    wanted = [name for name, _ in parse_replicas(config.replicas, config.stream_prefix)]
+    if found and not set(wanted) & set(found):
+        message = (
+            f"kvledger indexer: --replicas {','.join(wanted)} names no replica publishing KV "
+            f"events here; these do: {','.join(found)} (try --replicas {','.join(found)})"
+        )
+        log.warning("replicas_not_publishing", wanted=wanted, publishing=found)
+        print(message, file=sys.stderr, flush=True)
+
+
 async def serve(config: IndexerConfig) -> None:
     """Run the indexer until SIGINT/SIGTERM."""
     limits = limits_of(config)
@@ -157,6 +180,7 @@ async def serve(config: IndexerConfig) -> None:
             on_refused=lambda n: refusals.log("warning", "connection_refused", open_connections=n),
         ).start()  # fmt: skip
         log.info("indexer_listening", host=config.host, port=config.port, replicas=config.replicas)
+        await _hint_at_replicas(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

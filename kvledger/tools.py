@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -21,8 +22,17 @@ from services.config import parse_bytes
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("hash", help="print the block hashes of a token list (hex and KV-event int)")
-    p.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p = sub.add_parser(
+        "hash",
+        help="print the block hashes of a prompt (hex, and as KV events carry them: the int and "
+        "the 16 hex digits `kvledger events` prints)",
+    )
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--text", help="a prompt, tokenized with --model's tokenizer")
+    p.add_argument(
+        "--model", default="default", help="model whose tokenizer reads --text (default: default)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--algo", choices=HASH_ALGOS, default="sha256")
     p.add_argument("--seed", help="NONE_HASH seed (default: PYTHONHASHSEED, else vLLM's default)")
@@ -71,10 +81,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("events", help="tail the KV-events stream in a readable form")
     p.add_argument("--redis-url", help="Redis URL (env KVLEDGER_REDIS_URL)")
     p.add_argument(
-        "--stream-prefix", default=None, help="key prefix (env KVLEDGER_STREAM_PREFIX, default kvl)"
+        "--stream-prefix",
+        default=None,
+        help="key prefix (default: kvl; env KVLEDGER_STREAM_PREFIX)",
     )
     p.add_argument(
-        "--replica", default=None, help="replica to follow (env KVLEDGER_REPLICA, default default)"
+        "--replica",
+        default=None,
+        help="replica to follow (default: the one replica publishing events, or `default`; "
+        "env KVLEDGER_REPLICA)",
     )
     p.add_argument(
         "--from",
@@ -88,11 +103,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_hash(args: argparse.Namespace) -> int:
-    try:
-        tokens = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
-    except ValueError:
-        print("kvledger hash: --tokens takes comma-separated integers, e.g. 1,2,3", file=sys.stderr)
-        return 2
+    if args.text is not None:
+        from services.tokenization.tokenizer import load_tokenizer
+
+        tokens = load_tokenizer(args.model).encode(args.text)
+        print(f"{len(tokens)} tokens: {','.join(map(str, tokens))}")
+    else:
+        try:
+            tokens = [int(t) for t in args.tokens.replace(" ", "").split(",") if t]
+        except ValueError:
+            print(
+                "kvledger hash: --tokens takes comma-separated integers, e.g. 1,2,3",
+                file=sys.stderr,
+            )
+            return 2
     seed = args.seed if args.seed is not None else resolve_none_hash_seed(args.algo)
     hasher = BlockHasher(args.algo, seed=seed)
     hashes = hasher.hash_blocks(tokens, args.block_size, cache_salt=args.cache_salt)
@@ -105,10 +129,11 @@ def cmd_hash(args: argparse.Namespace) -> int:
             f"{i * args.block_size}..{(i + 1) * args.block_size - 1}",
             h.hex(),
             str(to_event_hash(h)),
+            f"{to_event_hash(h):016x}",
         ]
         for i, h in enumerate(hashes)
     ]
-    print(format_table(["block", "tokens", "hash (hex)", "KV-event int"], rows))
+    print(format_table(["block", "tokens", "hash (hex)", "KV-event int", "in `events`"], rows))
     if len(tokens) % args.block_size:
         print(f"({len(tokens) % args.block_size} trailing tokens make no full block: never cached)")
     return 0
@@ -161,7 +186,33 @@ def cmd_events(args: argparse.Namespace) -> int:
         print("kvledger events: set --redis-url or KVLEDGER_REDIS_URL", file=sys.stderr)
         return 2
     prefix = args.stream_prefix or env("KVLEDGER_STREAM_PREFIX") or "kvl"
-    with contextlib.suppress(KeyboardInterrupt):
-        replica = args.replica or env("KVLEDGER_REPLICA") or "default"
-        asyncio.run(print_events(url, prefix, args.start, args.count, replica))
+    replica = args.replica or env("KVLEDGER_REPLICA")
+    if replica is None:
+        found = asyncio.run(_replicas(url, prefix))
+        if len(found) > 1:
+            print(
+                f"kvledger events: {len(found)} replicas publish KV events here "
+                f"({', '.join(found)}): follow one with --replica NAME",
+                file=sys.stderr,
+            )
+            return 2
+        replica = found[0] if found else "default"
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(print_events(url, prefix, args.start, args.count, replica))
+    except BrokenPipeError:
+        # `kvledger events | head`: the reader is gone, which is no error. Python would still
+        # complain flushing stdout at exit; point it at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+async def _replicas(url: str, prefix: str) -> list[str]:
+    from services.transport.redis_client import connect
+    from services.transport.registry import known_replicas
+
+    r = connect(url)
+    try:
+        return await known_replicas(r, prefix)
+    finally:
+        await r.aclose()

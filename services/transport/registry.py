@@ -94,3 +94,17 @@ async def live_workers(
             continue
         workers[hello.worker_id] = hello
     return workers
+
+
+async def known_replicas(r: aioredis.Redis, prefix: str) -> list[str]:
+    """The replicas whose ledger publishes KV events under `prefix` (a SCAN, which visits every
+    master of a cluster): what `kvledger events` and `kvledger indexer` offer when the replica
+    they were given has none."""
+    pattern = StreamNames(prefix, "*").events
+    head, tail = f"{prefix}:{{", "}:kv-events"
+    names = set()
+    async for key in r.scan_iter(match=pattern, count=100):
+        text = key.decode() if isinstance(key, bytes) else key
+        if text.startswith(head) and text.endswith(tail):
+            names.add(text[len(head) : -len(tail)])
+    return sorted(names)
