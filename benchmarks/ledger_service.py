@@ -141,8 +141,11 @@ async def heartbeat(r, streams: StreamNames, hello: WorkerHello) -> None:
         await asyncio.sleep(5)
 
 
-async def one_run(url: str, size: int, setup: str, steps: int, staggered: bool = False) -> dict:
-    loop_name, hiredis = SETUPS[setup]
+async def one_run(
+    url: str, size: int, setup: str, steps: int, staggered: bool = False, tree: Path = ROOT
+) -> dict:
+    """One run; `tree` is the checkout whose `kvledger ledger` runs (--baseline-tree)."""
+    loop_name, hiredis = SETUPS[setup.removesuffix("@baseline")]
     streams = StreamNames(f"b{uuid.uuid4().hex[:8]}")
     r = redis_streams.connect(url)
     blocks = size * (MAX_MODEL_LEN // BLOCK_SIZE) + 16
@@ -154,14 +157,15 @@ async def one_run(url: str, size: int, setup: str, steps: int, staggered: bool =
     await registry.register(r, streams, hello, 60.0)
     marks: dict = {}
     worker = asyncio.create_task(null_worker(r, streams, hello, size, steps, marks))
-    env = {**os.environ, "KVLEDGER_EVENT_LOOP": loop_name, "KVLEDGER_LOG_LEVEL": "warning"}
+    env = {**os.environ, "KVLEDGER_EVENT_LOOP": loop_name, "KVLEDGER_LOG_LEVEL": "warning",
+           "PYTHONPATH": str(tree)}  # fmt: skip
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     args = ["--redis-url", url, "--stream-prefix", streams.prefix, "--max-num-seqs", str(size),
             "--max-num-batched-tokens", "8192", "--max-model-len", str(MAX_MODEL_LEN),
             "--block-size", str(BLOCK_SIZE), "--metrics-port", "0", "--worker-ttl-s", "60",
             "--snapshot-interval-s", "1"]  # fmt: skip
     ledger = subprocess.Popen([sys.executable, "-c", LEDGER_MAIN, "1" if hiredis else "0", *args],
-                              cwd=ROOT, env=env)  # fmt: skip
+                              cwd=tree, env=env)  # fmt: skip
     marks["pid"] = ledger.pid
     try:
         sampling = SamplingParams(max_tokens=MAX_MODEL_LEN - PROMPT_LEN - BLOCK_SIZE, seed=0)
@@ -204,13 +208,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--staggered", action="store_true",
                         help="prompts of 32-47 tokens, so block fills spread over steps")  # fmt: skip
+    parser.add_argument(
+        "--baseline-tree", type=Path,
+        help="another kvledger checkout (`git worktree add /tmp/base COMMIT`): each set-up also "
+        "runs its ledger, interleaved, as SETUP@baseline",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.baseline_tree:
+        args.setups = [name for setup in args.setups for name in (setup, f"{setup}@baseline")]
     runs: list[dict] = []
     with RedisServer() as server:
         for rep in range(args.repeats):
             for size in args.sizes:
                 for setup in args.setups:
-                    run = asyncio.run(one_run(server.url, size, setup, args.steps, args.staggered))
+                    tree = args.baseline_tree if setup.endswith("@baseline") else ROOT
+                    run = asyncio.run(
+                        one_run(server.url, size, setup, args.steps, args.staggered, tree)
+                    )
                     runs.append({**run, "repeat": rep})
                     print(f"rep {rep} {size:>5} {setup:<22} wall {run['wall_ms']:.2f} ms/step "
                           f"(median {run['median_ms']:.2f}, p99 {run['p99_ms']:.2f}), "
