@@ -40,6 +40,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY README.md ./
 COPY services ./services
 COPY ledger ./ledger
+COPY engine ./engine
 COPY gateway ./gateway
 COPY indexer ./indexer
 COPY gpu_worker ./gpu_worker
