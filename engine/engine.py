@@ -326,7 +326,11 @@ class Engine:
         for req_id, error in doomed.items():
             for request in self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ERROR):
                 log.error("request_failed", req_id=req_id, reason=reason, error=error)
-                await self._finish_tracking(request, request_output(request, [], "error", error))
+                # The reason clients read comes from the status: FINISHED_ERROR is "error".
+                finish_reason = RequestStatus.finish_reason(request.status)
+                await self._finish_tracking(
+                    request, request_output(request, [], finish_reason, error)
+                )
 
     async def _workers_changed(self, reason: str) -> None:
         """The workers' KV data can no longer be trusted: recompute everything from scratch."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ledger.hashing import BlockHasher
-from ledger.request import Request
+from ledger.request import Request, RequestStatus
 from ledger.scheduler import SchedulerOutput
 from services.transport.redis_streams import Entry
 from services.wire.messages import (
@@ -181,13 +181,14 @@ def rejection(msg: GenerateRequest, problem: str) -> RequestOutput:
 
 
 def failure_output(request: Request[Tracked], error: str) -> RequestOutput:
-    """The final output of a request the ledger gives up on: its client gets `error`."""
+    """The final output of a request the ledger gave up on (finished as FINISHED_ERROR): its
+    client gets `error`."""
     return RequestOutput(
         req_id=request.request_id,
         new_token_ids=[],
         position=request.num_output_tokens,
         finished=True,
-        finish_reason="error",
+        finish_reason=RequestStatus.finish_reason(request.status),  # FINISHED_ERROR: "error"
         error=error,
         num_prompt_tokens=request.num_prompt_tokens,
         num_preemptions=request.num_preemptions,

@@ -86,26 +86,42 @@ async def test_a_grammar_the_worker_cannot_build_fails_that_request_alone(redis_
         await stack.stop()
 
 
-async def test_a_tiny_temperature_from_a_gateway_that_does_not_exist_is_greedy(
+async def test_a_tiny_temperature_from_a_gateway_that_does_not_exist_samples_at_vllms_floor(
     redis_url, tiny_model
 ):
-    """Written straight to the requests stream: 1e-300 is below vLLM's epsilon, so greedy."""
+    """Written straight to the requests stream: a positive temperature of 1e-300 would overflow
+    the logits; the ledger raises it to vLLM's floor of 0.01 (SamplingParams.__post_init__), so
+    it samples (seeded: the same twice) without poisoning the step of the request beside it."""
     stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
     try:
         prompt = prompts(1, 12, seed=8)[0]
-        msg = GenerateRequest(
-            req_id="tiny-temp", gateway_id="no-such-gateway", prompt_token_ids=prompt,
-            sampling=SamplingParams(max_tokens=4, temperature=1e-300), arrival_time=time.time(),
-        )  # fmt: skip
-        await redis_streams.append(stack.r, stack.streams.requests, msg)
+        for name in ("tiny-temp-a", "tiny-temp-b"):
+            msg = GenerateRequest(
+                req_id=name, gateway_id="no-such-gateway", prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=4, temperature=1e-300, seed=7),
+                arrival_time=time.time(),
+            )  # fmt: skip
+            await redis_streams.append(stack.r, stack.streams.requests, msg)
         await stack.submit("after", prompt, 4)
         await stack.wait(["after"], timeout=60)
-        entries = await stack.r.xrange(stack.streams.outputs("no-such-gateway"))
-        outs = [
-            o for _, f in entries for o in codec.decode(f[redis_streams.FIELD], OutputBatch).outputs
-        ]
-        assert [t for o in outs for t in o.new_token_ids] == dense_greedy(tiny_model, prompt, 4)
-        assert outs[-1].finish_reason == "length"
+        deadline = time.monotonic() + 30
+        while True:
+            entries = await stack.r.xrange(stack.streams.outputs("no-such-gateway"))
+            outs = [
+                o
+                for _, f in entries
+                for o in codec.decode(f[redis_streams.FIELD], OutputBatch).outputs
+            ]
+            if sum(o.finished for o in outs) == 2 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        tokens = {
+            name: [t for o in outs if o.req_id == name for t in o.new_token_ids]
+            for name in ("tiny-temp-a", "tiny-temp-b")
+        }
+        assert len(tokens["tiny-temp-a"]) == 4 and tokens["tiny-temp-a"] == tokens["tiny-temp-b"]
+        assert all(0 <= t < tiny_model.config.vocab_size for t in tokens["tiny-temp-a"])
+        assert {o.finish_reason for o in outs if o.finished} == {"length"}
         assert stack.results["after"].tokens == dense_greedy(tiny_model, prompt, 4)
         assert stack.ledger.scheduler.num_preemptions == 0
     finally:
