@@ -1,4 +1,5 @@
-"""Tokenizers: raw bytes for the default model, Hugging Face `tokenizer.json` for checkpoints.
+"""Tokenizers: raw bytes for the tiny model, Hugging Face `tokenizer.json` for checkpoints (a
+GGUF file's: services/gguf_tokenizer.py).
 
 Both offer encode/decode, a Jinja chat template and their EOS ids; `IncrementalDetokenizer`
 streams text for either without splitting a multi-byte character.
@@ -212,9 +213,17 @@ class IncrementalDetokenizer:
 
 
 def load_tokenizer(model: str | Path, name: str | None = None) -> Tokenizer:
-    """'default' gives the byte tokenizer of the seeded tiny model, else a checkpoint folder's."""
-    if str(model) == "default":
+    """'tiny' gives the byte tokenizer of the seeded tiny model, a .gguf file (or 'smollm2',
+    the default) the file's own, anything else a checkpoint folder's (services.model_source)."""
+    from services.model_source import resolve_model
+
+    source = resolve_model(model)
+    if source.kind == "tiny":
         return ByteTokenizer(name or DEFAULT_MODEL_NAME)
+    if source.kind == "gguf":
+        from services.gguf_tokenizer import GGUFTokenizer
+
+        return GGUFTokenizer(source.path or model, name or source.name)
     return HFTokenizer(model, name)
 
 
