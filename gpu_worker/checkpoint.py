@@ -1,4 +1,5 @@
-"""Load the model: the seeded tiny default, or a local Hugging Face folder (config + safetensors).
+"""Load the model: the seeded tiny Llama, a local Hugging Face folder (config + safetensors), or a
+GGUF file (gpu_worker/gguf_checkpoint.py; which one a model value names: services/model_source.py).
 
 No network, ever: a checkpoint is a folder the user already has. Every refusal names the file,
 tensor or field at fault and what would be accepted.
@@ -24,7 +25,8 @@ from gpu_worker.model import (
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.safetensors_reader import SafetensorsError, SafetensorsFile
 from services.environment import env
-from services.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
+from services.model_source import TINY_MODEL, resolve_model
+from services.tokenizer import ByteTokenizer
 
 DTYPES = {
     "float32": torch.float32,
@@ -41,7 +43,7 @@ class CheckpointError(ValueError):
 
 
 def load_model(
-    model: str | Path = "default",
+    model: str | Path = TINY_MODEL,
     *,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
@@ -49,9 +51,17 @@ def load_model(
     max_model_len: int | None = None,
     tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
-    """'default' builds the seeded tiny Llama (KVLEDGER_SEED), anything else is a folder.
-    With `tp` of size N, this rank's shard of it."""
-    if str(model) != "default":
+    """'tiny' builds the seeded tiny Llama (KVLEDGER_SEED), a .gguf file (or 'smollm2') is
+    dequantized, anything else is a folder. With `tp` of size N, this rank's shard of it."""
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        from gpu_worker.gguf_checkpoint import load_gguf
+
+        assert source.path is not None
+        return load_gguf(
+            source.path, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp
+        )
+    if source.kind == "folder":
         return load_checkpoint(
             model, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp
         )
@@ -81,7 +91,7 @@ def shard_model(full: LlamaForCausalLM, tp: TensorParallel) -> LlamaForCausalLM:
 
 
 def model_name(model: str | Path) -> str:
-    return DEFAULT_MODEL_NAME if str(model) == "default" else Path(model).resolve().name
+    return resolve_model(model).name
 
 
 def _unprintable_byte_ids() -> list[int]:
@@ -230,6 +240,7 @@ def _check_folder(folder: str | Path) -> Path:
     if not path.is_dir():
         raise CheckpointError(
             f"model folder {path} does not exist; kvledger never downloads: give a local "
-            f"Hugging Face folder ({', '.join(SUPPORTED_ARCHITECTURES)}) or 'default'"
+            f"Hugging Face folder ({', '.join(SUPPORTED_ARCHITECTURES)}), a .gguf file, or "
+            f"'{TINY_MODEL}'"
         )
     return path

@@ -41,6 +41,7 @@ from services.messages import (
     StepMessage,
     TokenLogprobs,
 )
+from services.model_source import TINY_MODEL
 
 
 class StepError(ValueError):
@@ -58,7 +59,7 @@ class RequestsFailed(RuntimeError):
 
 @dataclass(slots=True)
 class RunnerConfig:
-    model: str = "default"  # a Hugging Face folder, or "default" for the seeded tiny Llama
+    model: str = TINY_MODEL  # services.model_source: tiny, smollm2, a .gguf file or a folder
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
@@ -114,7 +115,7 @@ class ModelRunner:
         name: str = "",
         profile: MemoryProfile | None = None,
         backend: AttentionBackend | None = None,
-        tokenizer_model: str = "default",  # whose tokenizer structured outputs mask over
+        tokenizer_model: str = TINY_MODEL,  # whose tokenizer structured outputs mask over
     ) -> None:
         self.model = model
         self.config = model.config

@@ -20,7 +20,6 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-import torch
 from opentelemetry.trace import SpanKind
 
 from gpu_worker.runner import ModelRunner, RequestsFailed, StepError, StepOutput
@@ -294,13 +293,6 @@ class WorkerService:
         if error is not None:
             span.set_attribute("error.type", error.split(":")[0])
         span.end()
-
-
-def configure_torch_threads(device: torch.device) -> None:
-    # On a small shared CPU, one intra-op thread per worker avoids oversubscription that made
-    # steps two orders of magnitude slower; bigger machines get a quarter of their cores.
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 4))
 
 
 async def _started(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import llguidance
 import torch
 
+from services.gguf_tokenizer import GGUFTokenizer
 from services.messages import StructuredOutput
 from services.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -137,7 +138,10 @@ def ll_tokenizer(model: str | Path, vocab_size: int) -> llguidance.LLTokenizer:
         return llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer)), n_vocab=vocab_size
         )
-    text = (Path(model) / "tokenizer.json").read_text()
+    if isinstance(tokenizer, GGUFTokenizer):
+        text = tokenizer.tokenizer_json()  # rebuilt from the file's metadata
+    else:
+        text = (Path(model) / "tokenizer.json").read_text()
     eos = tokenizer.eos_token_ids or None
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
 

@@ -159,7 +159,8 @@ def run_worker(config: WorkerConfig) -> int:
     from gpu_worker.parallel import TensorParallel, TensorParallelError
     from gpu_worker.profile import ProfileSettings
     from gpu_worker.runner import ModelRunner, RunnerConfig
-    from gpu_worker.service import WorkerService, configure_torch_threads
+    from gpu_worker.service import WorkerService
+    from gpu_worker.threads import configure_cpu_threads
     from kernels import BackendError
     from kvledger.runtime import run_service
 
@@ -175,7 +176,7 @@ def run_worker(config: WorkerConfig) -> int:
             if torch.cuda.is_available()
             else "cpu"
         )
-        configure_torch_threads(device)
+        configure_cpu_threads(device, config.cpu_threads, config.workers_on_host)
         try:
             tp = TensorParallel(config.tp_rank, config.tp_size)
         except TensorParallelError as exc:

@@ -12,6 +12,7 @@ which stop everything it started. Each ledger's /metrics and /health listen on 1
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -22,9 +23,11 @@ from redis.exceptions import RedisError
 from kvledger.cli import warn_password_on_command_line
 from kvledger.supervisor import Child, Supervisor
 from services import redis_client, transport, wire
+from services.config import MODEL_HELP
 from services.environment import ConfigError, env, read_redis_url_file, redact_url
 from services.keys import StreamNames
 from services.messages import LedgerStatus
+from services.model_source import DEFAULT_MODEL, ModelSourceError, resolve_model
 from services.redis_server import RedisServer, RedisServerError, free_port
 
 CPU_KV_CACHE_DEFAULT = "256MiB"
@@ -54,7 +57,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="model folder (Hugging Face layout) or 'default' (default: default, the seeded tiny Llama)",
+        help=f"{MODEL_HELP} (default: {DEFAULT_MODEL}; env KVLEDGER_MODEL)",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads per CPU worker (default: the cores this process may use, divided "
+        "by the workers started here; env KVLEDGER_CPU_THREADS)",
     )
     p.add_argument("--device", default=None, help="auto, cpu or cuda (default: auto)")
     p.add_argument(
@@ -165,6 +175,7 @@ def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> d
         "KVLEDGER_ASYNC_SCHEDULING": args.async_scheduling,
         "KVLEDGER_MODEL_NAME": args.served_model_name,
         "KVLEDGER_ROUTING": args.routing,
+        "KVLEDGER_CPU_THREADS": args.cpu_threads,
     }
     env.update({k: str(v) for k, v in flags.items() if v is not None})
     if not env.get("KVLEDGER_KV_CACHE_MEMORY_BYTES") and not _cuda_wanted(
@@ -223,12 +234,25 @@ def cmd_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        print(
+            f"kvledger up: --cpu-threads must be at least 1, got {args.cpu_threads}",
+            file=sys.stderr,
+        )
+        return 2
+    try:  # a model that names nothing servable: one line here, not a traceback from a child
+        resolve_model(args.model or env("KVLEDGER_MODEL") or DEFAULT_MODEL)
+    except ModelSourceError as exc:
+        print(f"kvledger up: {exc}", file=sys.stderr)
+        return 2
     replicas = replica_names(args.replicas)
     ports = [
         (args.metrics_port + i) if args.metrics_port else free_port() for i in range(len(replicas))
     ]
     metrics_port = ports[0]
     env_ = _child_env(args, redis_url, metrics_port)
+    # Each CPU worker takes its share of the cores (gpu_worker/threads.py).
+    env_["KVLEDGER_WORKERS_ON_HOST"] = str(len(replicas) * args.tensor_parallel_size)
     prefix = env_.get("KVLEDGER_STREAM_PREFIX", "kvl")
     supervisor = Supervisor(
         [
@@ -370,10 +394,25 @@ def _banner(
     print(
         f"\n{status.capacity_line}\n"
         f"kvledger is serving {status.model_name} at {url}  (metrics: http://{_reachable(metrics_host)}:{metrics_port}/metrics)\n"
-        f"Try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
-        f'    -d \'{{"model": "{status.model_name}", "prompt": "The KV cache", "max_tokens": 16}}\'\n'
+        f"Try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{_example_body(status.model_name)}'\n"
         "Press Ctrl-C to stop.\n",
         flush=True,
+    )
+
+
+EXAMPLE_QUESTION = "What is the capital of France?"
+
+
+def _example_body(model_name: str) -> str:
+    """The banner's request: a question a person would ask, greedy so its answer is stable."""
+    return json.dumps(
+        {
+            "model": model_name,
+            "messages": [{"role": "user", "content": EXAMPLE_QUESTION}],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
     )
 
 
