@@ -13,7 +13,6 @@ GGUF row 2i is Hugging Face row i and GGUF row 2i+1 is Hugging Face row d/2 + i.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
@@ -37,7 +36,7 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-MERGES = ["t h", "th e", "Ġ th", "Ġ a", "i n", "Ġthe", "e r", "o n", "Ġ b", "l o", "c k"]
+MERGES = ["t h", "th e", "Ġ th", "Ġ a", "i n", "Ġth e", "e r", "o n", "Ġ b", "l o", "c k"]
 
 
 def byte_alphabet() -> list[str]:
@@ -130,11 +129,14 @@ def gguf_name(hf: str) -> str:
 def encode(values: np.ndarray, qtype: str, rng: np.random.Generator) -> np.ndarray:
     """`values` [rows, cols] float32 stored as `qtype`: quantized, or random K-quant blocks."""
     kind = gguf.GGMLQuantizationType[qtype]
-    if qtype not in K_QUANT_SCALES:
-        return gguf.quants.quantize(values, kind)
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     rows, cols = values.shape
     blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    if qtype not in K_QUANT_SCALES:
+        try:
+            return gguf.quants.quantize(values, kind)
+        except NotImplementedError:  # a type without a quantizer: random blocks as they come
+            return blocks.reshape(rows, -1)
     # Scales that give weights of about 1/sqrt(cols), like the float weights they replace.
     peak = float(np.abs(gguf.quants.dequantize(_unit_scaled(blocks, qtype), kind)).max())
     target = 3.0 / cols**0.5
@@ -158,9 +160,11 @@ def write_tiny_gguf(
     *,
     seed: int = 0,
     tie: bool = False,
-    extra: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    drop: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """Write the file; return the float32 Hugging Face state dict it holds (see module doc)."""
+    """Write the file; return the float32 Hugging Face state dict it holds (see module doc).
+    `extra_tensors` are written as they are, tensors named in `drop` (GGUF names) are not."""
     tokens, types = vocabulary()
     model = hf_model(arch, len(tokens), seed, tie)
     rng = np.random.default_rng(seed)
@@ -185,13 +189,13 @@ def write_tiny_gguf(
     writer.add_eos_token_id(1)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
-    for key, value in (extra or {}).items():
-        writer.add_uint32(key, value)
     expected: dict[str, torch.Tensor] = {}
     for name, param in model.state_dict().items():
         if tie and name == "lm_head.weight":
             continue
         values = param.detach().numpy().astype(np.float32)
+        if gguf_name(name) in drop:
+            continue
         heads = {"q_proj": HEADS, "k_proj": KV_HEADS}.get(name.split(".")[-2])
         order = llama_cpp_rows(values.shape[0], heads) if arch == "llama" and heads else None
         stored = values if order is None else values[order]  # GGUF order
@@ -201,12 +205,15 @@ def write_tiny_gguf(
         else:
             data = encode(stored, qtype, rng)
             writer.add_tensor(gguf_name(name), data, raw_dtype=gguf.GGMLQuantizationType[qtype])
-            held = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
+            with np.errstate(invalid="ignore", over="ignore"):  # random blocks of refused types
+                held = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
         if order is not None:
             back = np.empty_like(held)
             back[order] = held  # Hugging Face row order[r] is GGUF row r
             held = back
         expected[name] = torch.from_numpy(np.array(held, dtype=np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
