@@ -208,8 +208,7 @@ def load_gguf(
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(
-            f"{path} lacks {len(missing)} tensor(s) the model needs: "
-            f"{', '.join(missing[:5])}{more}"
+            f"{path} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}{more}"
         )
     return net.eval()
 

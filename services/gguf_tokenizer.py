@@ -247,7 +247,9 @@ def _add_marked_tokens(tok: Any, tokens: Sequence[str], types: Sequence[int]) ->
 
     vocab = tok.get_vocab(with_added_tokens=False)
     control = [t for t, kind in zip(tokens, types, strict=False) if kind == _CONTROL and t in vocab]
-    user = [t for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED and t in vocab]
+    user = [
+        t for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED and t in vocab
+    ]
     if control:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     if user:

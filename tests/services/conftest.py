@@ -16,7 +16,7 @@ def redis_url():
 @pytest.fixture(scope="session")
 def tiny_model():
     torch.set_num_threads(1)
-    return load_model("default", seed=0)
+    return load_model("tiny", seed=0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
