@@ -178,6 +178,8 @@ def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> d
         "KVLEDGER_CPU_THREADS": args.cpu_threads,
     }
     env.update({k: str(v) for k, v in flags.items() if v is not None})
+    # Each CPU worker takes its share of the cores it may use (gpu_worker/threads.py).
+    env["KVLEDGER_WORKERS_ON_HOST"] = str(args.replicas * args.tensor_parallel_size)
     if not env.get("KVLEDGER_KV_CACHE_MEMORY_BYTES") and not _cuda_wanted(
         env.get("KVLEDGER_DEVICE", "auto")
     ):
@@ -211,6 +213,18 @@ def redis_url_of(args: argparse.Namespace) -> str | None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     server = None
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        print(
+            f"kvledger up: --cpu-threads must be at least 1, got {args.cpu_threads}",
+            file=sys.stderr,
+        )
+        return 2
+    # Checked before anything starts: one line here, not a traceback from a child.
+    try:
+        resolve_model(args.model or env("KVLEDGER_MODEL") or DEFAULT_MODEL)
+    except ModelSourceError as exc:
+        print(f"kvledger up: {exc}", file=sys.stderr)
+        return 2
     try:
         redis_url = redis_url_of(args)
     except ConfigError as exc:
@@ -234,25 +248,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.cpu_threads is not None and args.cpu_threads < 1:
-        print(
-            f"kvledger up: --cpu-threads must be at least 1, got {args.cpu_threads}",
-            file=sys.stderr,
-        )
-        return 2
-    try:  # a model that names nothing servable: one line here, not a traceback from a child
-        resolve_model(args.model or env("KVLEDGER_MODEL") or DEFAULT_MODEL)
-    except ModelSourceError as exc:
-        print(f"kvledger up: {exc}", file=sys.stderr)
-        return 2
     replicas = replica_names(args.replicas)
     ports = [
         (args.metrics_port + i) if args.metrics_port else free_port() for i in range(len(replicas))
     ]
     metrics_port = ports[0]
     env_ = _child_env(args, redis_url, metrics_port)
-    # Each CPU worker takes its share of the cores (gpu_worker/threads.py).
-    env_["KVLEDGER_WORKERS_ON_HOST"] = str(len(replicas) * args.tensor_parallel_size)
     prefix = env_.get("KVLEDGER_STREAM_PREFIX", "kvl")
     supervisor = Supervisor(
         [
