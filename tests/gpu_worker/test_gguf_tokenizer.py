@@ -173,3 +173,24 @@ def test_refusals_name_what_is_wrong(tmp_path):
     write_sentencepiece_gguf(spm, SPM_PIECES)
     with pytest.raises(ChatTemplateError, match=r"no chat template .*tokenizer\.chat_template"):
         GGUFTokenizer(spm).apply_chat_template(MESSAGES)
+
+
+def test_the_gateway_reads_a_gguf_tokenizer_without_torch(tmp_path):
+    """The gateway ships without torch: loading a GGUF's tokenizer must not import it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "spm.gguf"
+    write_sentencepiece_gguf(path, SPM_PIECES)
+    code = (
+        "import sys, gateway.app; from services.tokenizer import load_tokenizer;"
+        f"tok = load_tokenizer({str(path)!r}); print(tok.encode('the bath'));"
+        "print('torch' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.split("\n")[:2] == [str(GGUFTokenizer(path).encode("the bath")), "False"], (
+        done.stderr
+    )
