@@ -292,7 +292,7 @@ class WorkerConfig(CommonConfig, EngineShape):
         "sets it)",
         _positive_int,
     )
-    seed: int = _opt("KVLEDGER_SEED", 0, "seed of the default model's weights", int)
+    seed: int = _opt("KVLEDGER_SEED", 0, "seed of the tiny model's weights", int)
     gpu_memory_utilization: float = _opt(
         "KVLEDGER_GPU_MEMORY_UTILIZATION", 0.92, "share of the GPU this worker may use", float
     )
