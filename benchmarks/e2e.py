@@ -346,8 +346,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--model",
-        default="default",
-        help="'default' (the tiny seeded Llama), a checkpoint folder, or 'small': a random "
+        default="tiny",
+        help="'tiny' (the tiny seeded Llama), a checkpoint folder, or 'small': a random "
         "8-layer, 512-wide Llama built with transformers (a step costs about 4x the tiny one's)",
     )
     parser.add_argument("--json", type=Path)

@@ -2,7 +2,7 @@
 
     python benchmarks/load.py [--requests 1024] [--concurrency 512] [--json benchmarks/results/load.json]
 
-Starts `kvledger up` with its defaults (private redis-server, the tiny seeded Llama, max_queue
+Starts `kvledger up --model tiny` (private redis-server, the tiny seeded Llama, max_queue
 512), sends a seeded workload (prompts sharing a few long prefixes, streaming and non-streaming
 mixed) closed-loop at C concurrent, and counts every outcome: a 200 with a whole answer (a
 stream must end in [DONE] without an error event), every other status by status and message,
@@ -84,7 +84,7 @@ class Stack:
     def __init__(self, up_args: list[str]) -> None:
         self.port, self.metrics_port = free_port(), free_port()
         env = dict(os.environ, KVLEDGER_LOG_LEVEL="warning", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "kvledger.cli", "up", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kvledger.cli", "up", "--model", "tiny", "--port", str(self.port),
                "--metrics-port", str(self.metrics_port), *up_args]  # fmt: skip
         self.command = " ".join(["kvledger", *cmd[3:]])
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -82,7 +82,7 @@ class Stack:
         self.base = {
             **env, "PYTHONUNBUFFERED": "1", "KVLEDGER_LOG_LEVEL": "warning",
             "KVLEDGER_REDIS_URL": self.server.url, "KVLEDGER_STREAM_PREFIX": PREFIX,
-            "KVLEDGER_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
+            "KVLEDGER_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "KVLEDGER_MODEL": "tiny",
             "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": str(self.config.num_gpu_blocks),
             "KVLEDGER_MAX_MODEL_LEN": str(self.config.max_model_len),
             "KVLEDGER_MAX_NUM_SEQS": str(self.config.max_num_seqs),

@@ -32,7 +32,7 @@ from observability.ratelimit import RateLimitedLog, install_loop_exception_handl
 from services.config import GatewayConfig
 from services.environment import ConfigError
 from services.http_server import CappedSite, connection_cap, limits_of, runner_options
-from services.tokenization.tokenizer import load_tokenizer
+from services.tokenization.load import load_tokenizer
 from services.transport import redis_streams
 
 log = get_logger("gateway")

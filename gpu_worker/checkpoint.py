@@ -1,4 +1,5 @@
-"""Load the model: the seeded tiny default, or a local Hugging Face folder (config + safetensors).
+"""Load the model: the seeded tiny Llama, a local Hugging Face folder (config + safetensors), or a
+GGUF file (gpu_worker/gguf_checkpoint.py; which one a model value names: services/tokenization/model_source.py).
 
 No network, ever: a checkpoint is a folder the user already has. Every refusal names the file,
 tensor or field at fault and what would be accepted.
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from gpu_worker.layers import load_shard
+from gpu_worker.loading import CheckpointError, resolve_dtype
 from gpu_worker.model import (
     SUPPORTED_ARCHITECTURES,
     LlamaForCausalLM,
@@ -24,24 +26,14 @@ from gpu_worker.model import (
 from gpu_worker.parallel import SINGLE, TensorParallel
 from gpu_worker.safetensors_reader import SafetensorsError, SafetensorsFile
 from services.environment import env
-from services.tokenization.tokenizer import DEFAULT_MODEL_NAME, ByteTokenizer
+from services.tokenization.model_source import TINY_MODEL, resolve_model
+from services.tokenization.tokenizer import ByteTokenizer
 
-DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older transformers saved; we recompute
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder kvledger cannot load; the text says what to fix."""
-
-
 def load_model(
-    model: str | Path = "default",
+    model: str | Path = TINY_MODEL,
     *,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
@@ -49,9 +41,17 @@ def load_model(
     max_model_len: int | None = None,
     tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
-    """'default' builds the seeded tiny Llama (KVLEDGER_SEED), anything else is a folder.
-    With `tp` of size N, this rank's shard of it."""
-    if str(model) != "default":
+    """'tiny' builds the seeded tiny Llama (KVLEDGER_SEED), a .gguf file (or 'smollm2') is
+    dequantized, anything else is a folder. With `tp` of size N, this rank's shard of it."""
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        from gpu_worker.gguf_checkpoint import load_gguf
+
+        assert source.path is not None
+        return load_gguf(
+            source.path, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp
+        )
+    if source.kind == "folder":
         return load_checkpoint(
             model, dtype=dtype, device=device, max_model_len=max_model_len, tp=tp
         )
@@ -81,7 +81,7 @@ def shard_model(full: LlamaForCausalLM, tp: TensorParallel) -> LlamaForCausalLM:
 
 
 def model_name(model: str | Path) -> str:
-    return DEFAULT_MODEL_NAME if str(model) == "default" else Path(model).resolve().name
+    return resolve_model(model).name
 
 
 def _unprintable_byte_ids() -> list[int]:
@@ -207,29 +207,12 @@ def weight_files(folder: Path) -> list[Path]:
     )
 
 
-def resolve_dtype(
-    requested: str | torch.dtype | None, checkpoint_dtype: str, device: str | torch.device
-) -> torch.dtype:
-    if isinstance(requested, torch.dtype):
-        return requested
-    if requested in (None, "auto"):
-        chosen = DTYPES.get(checkpoint_dtype, torch.float32)
-        if torch.device(device).type == "cpu":
-            # CPU float16 matmuls are slow or missing; float32 keeps the values exactly.
-            return torch.float32 if chosen == torch.float16 else chosen
-        # vLLM's rule on a GPU: float32 checkpoints are served in bfloat16 (the CUDA kernels'
-        # dtypes); --dtype float32 still asks for float32 (with --kernels reference).
-        return torch.bfloat16 if chosen == torch.float32 else chosen
-    if requested not in DTYPES:
-        raise CheckpointError(f"dtype {requested!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[requested]
-
-
 def _check_folder(folder: str | Path) -> Path:
     path = Path(folder)
     if not path.is_dir():
         raise CheckpointError(
             f"model folder {path} does not exist; kvledger never downloads: give a local "
-            f"Hugging Face folder ({', '.join(SUPPORTED_ARCHITECTURES)}) or 'default'"
+            f"Hugging Face folder ({', '.join(SUPPORTED_ARCHITECTURES)}), a .gguf file, or "
+            f"'{TINY_MODEL}'"
         )
     return path

@@ -35,6 +35,7 @@ from kernels import (
     select_backend,
 )
 from ledger.capacity import cdiv
+from services.tokenization.model_source import TINY_MODEL
 from services.wire.messages import (
     CachedRequestData,
     NewRequestData,
@@ -61,7 +62,9 @@ class RequestsFailed(RuntimeError):
 
 @dataclass(slots=True)
 class RunnerConfig:
-    model: str = "default"  # a Hugging Face folder, or "default" for the seeded tiny Llama
+    model: str = (
+        TINY_MODEL  # services.tokenization.model_source: tiny, smollm2, a .gguf file or a folder
+    )
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
@@ -117,7 +120,7 @@ class ModelRunner:
         name: str = "",
         profile: MemoryProfile | None = None,
         backend: AttentionBackend | None = None,
-        tokenizer_model: str = "default",  # whose tokenizer structured outputs mask over
+        tokenizer_model: str = TINY_MODEL,  # whose tokenizer structured outputs mask over
     ) -> None:
         self.model = model
         self.config = model.config

@@ -19,7 +19,9 @@ from pathlib import Path
 import llguidance
 import torch
 
-from services.tokenization.tokenizer import ByteTokenizer, load_tokenizer
+from services.tokenization.gguf_tokenizer import GGUFTokenizer
+from services.tokenization.load import load_tokenizer
+from services.tokenization.tokenizer import ByteTokenizer
 from services.wire.messages import StructuredOutput
 
 
@@ -137,7 +139,10 @@ def ll_tokenizer(model: str | Path, vocab_size: int) -> llguidance.LLTokenizer:
         return llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer)), n_vocab=vocab_size
         )
-    text = (Path(model) / "tokenizer.json").read_text()
+    if isinstance(tokenizer, GGUFTokenizer):
+        text = tokenizer.tokenizer_json()  # rebuilt from the file's metadata
+    else:
+        text = (Path(model) / "tokenizer.json").read_text()
     eos = tokenizer.eos_token_ids or None
     return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
 

@@ -27,6 +27,7 @@ from gpu_worker.devices import resolve_device
 from gpu_worker.parallel import TensorParallel, TensorParallelError
 from gpu_worker.profile import ProfileSettings
 from gpu_worker.runner import ModelRunner, RequestsFailed, RunnerConfig, StepError, StepOutput
+from gpu_worker.threads import configure_cpu_threads
 from gpu_worker.tp_group import GroupFormer
 from kernels import BackendError
 from observability import Attr, SpanName, get_logger, links_from_traceparents, tracer_if_on
@@ -307,7 +308,7 @@ async def serve(config: WorkerConfig) -> None:
     `StartupError` with one line that says what to change."""
     assert config.redis_url, "the caller checks that there is a Redis to talk to"
     device = resolve_device(config.device)
-    configure_torch_threads(device)
+    configure_cpu_threads(device, config.cpu_threads, config.workers_on_host)
     try:
         tp = TensorParallel(config.tp_rank, config.tp_size)
     except TensorParallelError as exc:
@@ -352,13 +353,6 @@ async def serve(config: WorkerConfig) -> None:
         await WorkerService(config, r, runner, tracer_if_on("kvledger-worker")).run()
     finally:
         await r.aclose()
-
-
-def configure_torch_threads(device: torch.device) -> None:
-    # On a small shared CPU, one intra-op thread per worker avoids oversubscription that made
-    # steps two orders of magnitude slower; bigger machines get a quarter of their cores.
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 4))
 
 
 async def _started(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:

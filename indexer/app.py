@@ -29,7 +29,8 @@ from services.environment import ConfigError
 from services.http_server import CappedSite, connection_cap, limits_of, runner_options
 from services.routing.policy import HealthLimits, ReplicaHealth
 from services.routing.replicas import ReplicaSet, parse_replicas
-from services.tokenization.tokenizer import Tokenizer, load_tokenizer
+from services.tokenization.load import load_tokenizer
+from services.tokenization.tokenizer import Tokenizer
 from services.transport import redis_streams
 from services.transport.registry import known_replicas
 

@@ -12,6 +12,7 @@ which stop everything it started. Each ledger's /metrics and /health listen on 1
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ from services.config import (
     flag_of,
 )
 from services.environment import ConfigError, env, read_redis_url_file, redact_url
+from services.tokenization.model_source import DEFAULT_MODEL, ModelSourceError, resolve_model
 from services.transport import redis_client, redis_streams
 from services.transport.keys import StreamNames
 from services.transport.redis_server import RedisServer, RedisServerError, free_port
@@ -48,7 +50,7 @@ ROLE_CONFIGS: dict[str, type] = {
 # What `up` sets itself for each child (or declares with a meaning of its own).
 UP_OWNS = frozenset(
     {"redis_url", "replica", "replicas", "metrics_port", "tp_rank", "tp_size", "worker_id",
-     "gateway_id", "group", "num_workers", "stream_prefix"}
+     "gateway_id", "group", "num_workers", "stream_prefix", "workers_on_host"}
 )  # fmt: skip
 
 
@@ -130,6 +132,8 @@ def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> d
     env_["KVLEDGER_REDIS_URL"] = redis_url
     env_["KVLEDGER_METRICS_PORT"] = str(metrics_port)
     env_.pop("KVLEDGER_REDIS_URL_FILE", None)  # resolved here: the children get the URL itself
+    # Each CPU worker takes its share of the cores it may use (gpu_worker/threads.py).
+    env_["KVLEDGER_WORKERS_ON_HOST"] = str(args.replicas * args.tensor_parallel_size)
     device = args.device or env_.get("KVLEDGER_DEVICE", "auto")
     if (
         args.kv_cache_memory_bytes is None
@@ -159,6 +163,18 @@ def redis_url_of(args: argparse.Namespace) -> str | None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     server = None
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        print(
+            f"kvledger up: --cpu-threads must be at least 1, got {args.cpu_threads}",
+            file=sys.stderr,
+        )
+        return 2
+    # Checked before anything starts: one line here, not a traceback from a child.
+    try:
+        resolve_model(args.model or env("KVLEDGER_MODEL") or DEFAULT_MODEL)
+    except ModelSourceError as exc:
+        print(f"kvledger up: {exc}", file=sys.stderr)
+        return 2
     try:
         redis_url = redis_url_of(args)
     except ConfigError as exc:
@@ -341,10 +357,25 @@ def _banner(
     print(
         f"\n{status.capacity_line}\n"
         f"kvledger is serving {status.model_name} at {url}  (metrics: http://{_reachable(metrics_host)}:{metrics_port}/metrics)\n"
-        f"Try:\n  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
-        f'    -d \'{{"model": "{status.model_name}", "prompt": "The KV cache", "max_tokens": 16}}\'\n'
+        f"Try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{_example_body(status.model_name)}'\n"
         "Press Ctrl-C to stop.\n",
         flush=True,
+    )
+
+
+EXAMPLE_QUESTION = "What is the capital of France?"
+
+
+def _example_body(model_name: str) -> str:
+    """The banner's request: a question a person would ask, greedy so its answer is stable."""
+    return json.dumps(
+        {
+            "model": model_name,
+            "messages": [{"role": "user", "content": EXAMPLE_QUESTION}],
+            "max_tokens": 32,
+            "temperature": 0,
+        }
     )
 
 

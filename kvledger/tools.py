@@ -31,7 +31,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     prompt.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
     prompt.add_argument("--text", help="a prompt, tokenized with --model's tokenizer")
     p.add_argument(
-        "--model", default="default", help="model whose tokenizer reads --text (default: default)"
+        "--model", default="smollm2", help="model whose tokenizer reads --text (default: smollm2)"
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--algo", choices=HASH_ALGOS, default="sha256")
@@ -104,7 +104,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def cmd_hash(args: argparse.Namespace) -> int:
     if args.text is not None:
-        from services.tokenization.tokenizer import load_tokenizer
+        from services.tokenization.load import load_tokenizer
 
         tokens = load_tokenizer(args.model).encode(args.text)
         print(f"{len(tokens)} tokens: {','.join(map(str, tokens))}")

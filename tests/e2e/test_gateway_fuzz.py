@@ -52,7 +52,7 @@ class LiveGateway:
             self._redis_url, self._model, num_blocks=512, max_model_len=64
         ).start()
         config = GatewayConfig(
-            redis_url=self._redis_url, stream_prefix=self.stack.prefix, gateway_id="gw-fuzz",
+            redis_url=self._redis_url, stream_prefix=self.stack.prefix, gateway_id="gw-fuzz", model="tiny",
             max_model_len=64, request_timeout_s=15.0, port=0,
         )  # fmt: skip
         self.runner = make_runner(config)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def served():
-    with serve("default", num_gpu_blocks=40, max_model_len=256) as s:
+    with serve("tiny", num_gpu_blocks=40, max_model_len=256) as s:
         yield s
 
 
@@ -49,7 +49,7 @@ async def _text_completion(session, url: str, prompt: str, stream: bool) -> dict
 
 
 def test_concurrent_completions_streaming_and_not_match_the_dense_model(served):
-    model = load_model("default", seed=0)
+    model = load_model("tiny", seed=0)
     prompts = token_prompts(6, 45, seed=7)
 
     async def run():
@@ -91,7 +91,7 @@ def test_a_repeated_prompt_hits_the_prefix_cache_and_gives_the_same_text(served)
         == first["choices"][0]["text"]
         == streamed["choices"][0]["text"]
     )
-    model = load_model("default", seed=0)
+    model = load_model("tiny", seed=0)
     expected = tokenizer.decode(dense_greedy(model, tokenizer.encode(prompt), 12))
     assert first["choices"][0]["text"] == expected
 
@@ -139,8 +139,8 @@ def test_up_refuses_to_start_when_one_max_model_len_request_cannot_fit():
     from tests.e2e.conftest import ROOT, _hermetic_env
 
     done = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", "up", "--port", str(free_port()), "--device", "cpu",
-         "--num-gpu-blocks-override", "10", "--max-model-len", "2048"],
+        [sys.executable, "-m", "kvledger.cli", "up", "--model", "tiny", "--port", str(free_port()),
+         "--device", "cpu", "--num-gpu-blocks-override", "10", "--max-model-len", "2048"],
         cwd=ROOT, env=_hermetic_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     output = done.stdout + done.stderr
@@ -158,8 +158,8 @@ def test_up_refuses_cuda_kernels_on_the_cpu_with_what_to_change():
     from tests.e2e.conftest import ROOT, _hermetic_env
 
     done = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", "up", "--port", str(free_port()), "--device", "cpu",
-         "--kernels", "cuda"],
+        [sys.executable, "-m", "kvledger.cli", "up", "--model", "tiny", "--port", str(free_port()),
+         "--device", "cpu", "--kernels", "cuda"],
         cwd=ROOT, env=_hermetic_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     output = done.stdout + done.stderr

@@ -60,9 +60,9 @@ def ledger_metrics(url: str) -> str:
 
 
 def test_a_poison_request_gets_an_error_and_the_others_their_exact_tokens():
-    model = load_model("default", seed=0)
+    model = load_model("tiny", seed=0)
     prompts = token_prompts(4, 30, seed=11)
-    with serve("default", num_gpu_blocks=64, max_model_len=128) as served:
+    with serve("tiny", num_gpu_blocks=64, max_model_len=128) as served:
 
         async def run():
             async with aiohttp.ClientSession() as session:

@@ -66,7 +66,7 @@ def test_a_killed_replica_is_scored_by_load_then_out_then_back_and_every_request
         base = {
             **_hermetic_env(), "KVLEDGER_REDIS_URL": server.url, "KVLEDGER_STREAM_PREFIX": PREFIX,
             "KVLEDGER_DEVICE": "cpu", "KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE": "48",
-            "KVLEDGER_MAX_MODEL_LEN": "256", "OMP_NUM_THREADS": "1",
+            "KVLEDGER_MAX_MODEL_LEN": "256", "OMP_NUM_THREADS": "1", "KVLEDGER_MODEL": "tiny",
         }  # fmt: skip
         procs: dict[str, ServiceProcess] = {}
         for name in ("r0", "r1"):

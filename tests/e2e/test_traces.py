@@ -68,7 +68,7 @@ def traced_run():
     receiver = OtlpReceiver().start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     stack = launch(
-        "default",
+        "tiny",
         num_gpu_blocks=24,
         max_model_len=112,
         extra_args=("--max-num-batched-tokens", "256"),

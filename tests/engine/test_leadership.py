@@ -96,7 +96,8 @@ class Replica:
         return ["--redis-url", self.url, "--stream-prefix", self.prefix, *SHAPE]
 
     def worker(self) -> Proc:
-        args = ["worker", *self.common(), "--device", "cpu", "--num-gpu-blocks-override", "64"]
+        args = ["worker", *self.common(), "--model", "tiny", "--device", "cpu"]
+        args += ["--num-gpu-blocks-override", "64"]
         return self._start("worker", args)
 
     def ledger(self, name: str) -> Proc:

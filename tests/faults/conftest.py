@@ -247,7 +247,7 @@ def fault_stack(
 ) -> Iterator[tuple[Served, Redis]]:
     redis = Redis(aof).start()
     served = launch(
-        "default", num_gpu_blocks=256, max_model_len=128,
+        "tiny", num_gpu_blocks=256, max_model_len=128,
         env={"KVLEDGER_REDIS_URL": redis.url, "KVLEDGER_REQUEST_TIMEOUT": str(BOUND_S - 5),
              **(env or {})},
     )  # fmt: skip

@@ -40,7 +40,7 @@ def _env(redis_url: str, gateway_port: int) -> dict[str, str]:
         KVLEDGER_DEVICE="cpu", KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE="64",
         KVLEDGER_KV_CACHE_MEMORY_BYTES="16MiB", KVLEDGER_MAX_MODEL_LEN="128",
         KVLEDGER_METRICS_PORT="0", KVLEDGER_PORT=str(gateway_port),
-        KVLEDGER_REQUEST_TIMEOUT="30",
+        KVLEDGER_REQUEST_TIMEOUT="30", KVLEDGER_MODEL="tiny",
     )  # fmt: skip
     return env
 
@@ -94,7 +94,7 @@ def test_kvledger_up_on_an_external_redis_not_up_yet_waits_for_it_then_serves():
     and every child (the gateway too) wait for it instead of crashing, then the stack serves."""
     redis = Redis(aof=False)  # its port is chosen, nothing listens on it yet
     served = launch(
-        "default", num_gpu_blocks=64, max_model_len=128,
+        "tiny", num_gpu_blocks=64, max_model_len=128,
         env={"KVLEDGER_REDIS_URL": redis.url, "KVLEDGER_LOG_FORMAT": "json"},
     )  # fmt: skip
     try:

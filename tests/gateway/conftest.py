@@ -40,6 +40,7 @@ def make_config(redis_url: str, prefix: str):
     def make(**overrides: Any) -> GatewayConfig:
         settings: dict[str, Any] = {
             "redis_url": redis_url,
+            "model": "tiny",
             "stream_prefix": prefix,
             "gateway_id": GATEWAY_ID,
             "ledger_wait_s": 0.3,

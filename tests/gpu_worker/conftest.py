@@ -23,7 +23,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaForCausalLM:
-    return load_model("default", seed=0)
+    return load_model("tiny", seed=0)
 
 
 @pytest.fixture

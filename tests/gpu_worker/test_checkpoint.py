@@ -14,7 +14,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from gpu_worker.checkpoint import CheckpointError, load_checkpoint, read_model_config, resolve_dtype
+from gpu_worker.checkpoint import load_checkpoint, read_model_config
+from gpu_worker.loading import CheckpointError, resolve_dtype
 from gpu_worker.runner import ModelRunner
 from services.tokenization.tokenizer import HFTokenizer
 from tests.gpu_worker.checkpoints import ARCHITECTURES, make_tiny_checkpoint

@@ -104,9 +104,9 @@ def test_unsupported_configs_are_named(bad, message):
 
 
 def test_default_model_is_seeded_by_kvledger_seed(monkeypatch):
-    a, b = load_model("default", seed=0), load_model("default", seed=1)
+    a, b = load_model("tiny", seed=0), load_model("tiny", seed=1)
     monkeypatch.setenv("KVLEDGER_SEED", "1")
-    c = load_model("default")
+    c = load_model("tiny")
     ids = [256, *b"seeded"]
     assert not torch.equal(a.dense_logits(ids), b.dense_logits(ids))
     assert torch.equal(b.dense_logits(ids), c.dense_logits(ids))

@@ -149,7 +149,7 @@ def check_low_precision_step(
 def test_cuda_runner_matches_dense_on_the_same_device(dtype):
     # The default model on a GPU: head_dim 64, a GQA group of 2, in float16/bfloat16, a shape
     # and dtypes the CUDA kernels serve, so the runner must run them, not the torch reference.
-    model = load_model("default", dtype=dtype, device="cuda")
+    model = load_model("tiny", dtype=dtype, device="cuda")
     assert model.config.head_dim in (64, 128) and model.lm_head.weight.dtype == dtype
     runner = ModelRunner(model, 256, 16)
     assert runner.backend.name == "cuda"

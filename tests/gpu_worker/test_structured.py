@@ -62,7 +62,7 @@ def params(structured: StructuredOutput, seed: int | None = None) -> SamplingPar
 
 
 def test_unpacked_bitmask_allows_exactly_the_matchers_tokens():
-    structured = StructuredOutputs("default", TOK.vocab_size)
+    structured = StructuredOutputs("tiny", TOK.vocab_size)
     state = structured.new_state(REGEX)
     assert state is not None
     for prefix in ([], [*b"ab"], [*b"abc-1"]):

@@ -93,8 +93,8 @@ def test_rank_shards_hold_a_slice_of_each_tensor(folders):
 
 
 def test_default_model_shards_from_the_same_seeded_weights():
-    whole = load_model("default", seed=7)
-    rank = load_model("default", seed=7, tp=TensorParallel(1, 2))
+    whole = load_model("tiny", seed=7)
+    rank = load_model("tiny", seed=7, tp=TensorParallel(1, 2))
     emb = rank.get_parameter("model.embed_tokens.weight")
     assert torch.equal(emb, whole.get_parameter("model.embed_tokens.weight")[emb.shape[0] :])
 

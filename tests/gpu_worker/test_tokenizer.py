@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import transformers
 
+from services.tokenization.load import load_tokenizer
 from services.tokenization.tokenizer import (
     ByteTokenizer,
     ChatTemplateError,
     HFTokenizer,
     IncrementalDetokenizer,
-    load_tokenizer,
 )
 from tests.gpu_worker.checkpoints import write_tokenizer
 
@@ -40,7 +40,7 @@ def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
 
 
 def test_byte_tokenizer_round_trips_utf8_with_bos():
-    tok = load_tokenizer("default")
+    tok = load_tokenizer("tiny")
     assert isinstance(tok, ByteTokenizer) and tok.name == "kvledger-tiny-llama"
     ids = tok.encode("é!")
     assert ids == [256, 0xC3, 0xA9, 0x21]

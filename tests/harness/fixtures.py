@@ -20,4 +20,4 @@ def redis_url():
 @pytest.fixture(scope="session")
 def tiny_model():
     torch.set_num_threads(1)
-    return load_model("default", seed=0)
+    return load_model("tiny", seed=0)

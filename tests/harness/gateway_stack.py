@@ -20,7 +20,7 @@ async def gateway_on(stack: Stack, **settings) -> AsyncIterator[TestClient]:
         stream_prefix=stack.prefix,
         gateway_id="gw-stack",
         request_timeout_s=60.0,
-        **settings,
+        **{"model": "tiny", **settings},
     )
     client = TestClient(TestServer(create_app(config)))
     await client.start_server()

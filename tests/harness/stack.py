@@ -134,6 +134,7 @@ class Stack:
         )
         cfg = WorkerConfig(
             redis_url=self.url,
+            model="tiny",
             stream_prefix=self.prefix,
             replica=self.replica,
             worker_id=worker_id,

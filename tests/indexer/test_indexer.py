@@ -14,7 +14,7 @@ from indexer import create_app
 from indexer.app import REPLICAS
 from ledger.hashing import BlockHasher
 from services.config import IndexerConfig
-from services.tokenization.tokenizer import load_tokenizer
+from services.tokenization.load import load_tokenizer
 from tests.engine.test_ledger_service import prompts
 from tests.harness.stack import Stack
 
@@ -34,7 +34,7 @@ def ledger_hit_blocks(stack: Stack, prompt: list[int], cache_salt: str | None = 
 
 @contextlib.asynccontextmanager
 async def indexer_on(url: str, **settings) -> AsyncIterator[TestClient]:
-    config = IndexerConfig(redis_url=url, **settings)
+    config = IndexerConfig(redis_url=url, **{"model": "tiny", **settings})
     client = TestClient(TestServer(create_app(config)))
     await client.start_server()
     try:
@@ -62,7 +62,7 @@ async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
     try:
         long_prompt = prompts(1, 90, seed=41)[0]
         text = "You are a careful assistant. " * 3 + "Say hello."
-        text_ids = load_tokenizer("default").encode(text, add_special_tokens=True)
+        text_ids = load_tokenizer("tiny").encode(text, add_special_tokens=True)
         await a.submit("long", long_prompt, 4)
         await b.submit("text", text_ids, 4)
         await a.wait(["long"], timeout=120)

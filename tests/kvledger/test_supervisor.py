@@ -159,7 +159,7 @@ def test_a_service_warns_about_a_password_flag_without_printing_it():
     # the URL's password left out) until stopped.
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvledger.cli", "gateway", "--redis-url",
+        [sys.executable, "-m", "kvledger.cli", "gateway", "--model", "tiny", "--redis-url",
          "redis://:hunter2-secret@127.0.0.1:1/0", "--port", "1"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -1,0 +1,83 @@
+"""How many torch threads a CPU worker runs: the cores this process may use, shared among the
+workers on the host, unless --cpu-threads (KVLEDGER_CPU_THREADS) says otherwise.
+
+"May use": the CPU affinity mask (`taskset`, `docker --cpuset-cpus`), capped by a cgroup v2 CPU
+quota (`docker --cpus`), which the affinity mask does not show. `kvledger up` tells each worker
+how many workers it starts (KVLEDGER_WORKERS_ON_HOST: replicas x tensor-parallel ranks), so N
+workers on one machine do not each claim every core and spin against each other.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from observability import get_logger
+
+log = get_logger("kvledger.worker")
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadPlan:
+    threads: int
+    usable_cores: int
+    workers_on_host: int
+    source: str  # "flag": --cpu-threads / KVLEDGER_CPU_THREADS; "cores": usable / workers
+
+
+def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """Cores this process may run on: its affinity mask, capped by a cgroup v2 quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS)
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cpu_max)
+    return max(1, min(cores, quota) if quota is not None else cores)
+
+
+def cgroup_cpu_quota(cpu_max: Path = CGROUP_CPU_MAX) -> int | None:
+    """Whole cores a cgroup v2 `cpu.max` allows ("200000 100000" -> 2, rounded up); None
+    without a quota or a readable file."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def plan_threads(requested: int | None, workers_on_host: int = 1) -> ThreadPlan:
+    cores = usable_cores()
+    workers = max(1, workers_on_host)
+    if requested is not None:
+        return ThreadPlan(requested, cores, workers, "flag")
+    return ThreadPlan(max(1, cores // workers), cores, workers, "cores")
+
+
+def configure_cpu_threads(
+    device: torch.device, requested: int | None = None, workers_on_host: int = 1
+) -> ThreadPlan | None:
+    """Set torch's intra-op threads for a CPU worker and log the figure; None on a GPU (the
+    CPU then only feeds the device, and torch's default stands)."""
+    if device.type != "cpu":
+        return None
+    plan = plan_threads(requested, workers_on_host)
+    torch.set_num_threads(plan.threads)
+    log.info(
+        "cpu_threads",
+        threads=plan.threads,
+        usable_cores=plan.usable_cores,
+        workers_on_host=plan.workers_on_host,
+        source=plan.source,
+    )
+    return plan
