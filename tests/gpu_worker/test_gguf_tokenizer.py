@@ -184,7 +184,7 @@ def test_the_gateway_reads_a_gguf_tokenizer_without_torch(tmp_path):
     path = tmp_path / "spm.gguf"
     write_sentencepiece_gguf(path, SPM_PIECES)
     code = (
-        "import sys, gateway.app; from services.tokenization.tokenizer import load_tokenizer;"
+        "import sys, gateway.app; from services.tokenization.load import load_tokenizer;"
         f"tok = load_tokenizer({str(path)!r}); print(tok.encode('the bath'));"
         "print('torch' in sys.modules)"
     )

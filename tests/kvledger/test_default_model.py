@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.cli import build_parser
-from kvledger.launcher import EXAMPLE_QUESTION, _child_env, _example_body
+from kvledger.launcher import EXAMPLE_QUESTION, _child_env, _example_body, role_flags
 from services.config import GatewayConfig, IndexerConfig, WorkerConfig, from_arguments
 from services.environment import ConfigError
 from services.tokenization.model_source import SMOLLM2_FILE, resolve_model
@@ -50,9 +50,14 @@ def test_up_passes_threads_and_its_worker_count_down(monkeypatch):
     monkeypatch.delenv("KVLEDGER_CPU_THREADS", raising=False)
     args = build_parser().parse_args(["up", "--replicas", "2", "-tp", "2", "--cpu-threads", "3"])
     env = _child_env(args, "redis://127.0.0.1:1/0", 9100)
-    assert env["KVLEDGER_WORKERS_ON_HOST"] == "4" and env["KVLEDGER_CPU_THREADS"] == "3"
-    env = _child_env(build_parser().parse_args(["up"]), "redis://127.0.0.1:1/0", 9100)
-    assert env["KVLEDGER_WORKERS_ON_HOST"] == "1" and "KVLEDGER_CPU_THREADS" not in env
+    assert env["KVLEDGER_WORKERS_ON_HOST"] == "4"
+    flags = role_flags(args, "worker")  # the worker's own flag, passed through
+    assert flags[flags.index("--cpu-threads") + 1] == "3"
+    args = build_parser().parse_args(["up"])
+    env = _child_env(args, "redis://127.0.0.1:1/0", 9100)
+    assert env["KVLEDGER_WORKERS_ON_HOST"] == "1" and "--cpu-threads" not in role_flags(
+        args, "worker"
+    )
 
 
 def test_the_banner_asks_a_chat_question():
