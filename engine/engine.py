@@ -119,7 +119,7 @@ class Engine:
             collections.deque()
         )
 
-        self.intake = RequestIntake(r, self.streams, self._count_outage)
+        self.intake = RequestIntake(r, self.streams, leadership, self._count_outage)
         self.step_results = StepResults(
             r,
             self.streams.results,
@@ -129,10 +129,11 @@ class Engine:
             leader_token=lambda: self.leadership.token,
         )
         self.quarantine = Quarantine(config.max_request_failures)
-        self.outputs = GatewayOutputs(r, self.streams)
+        # Every write a gateway, a router or a successor reads is fenced (Leadership.write).
+        self.outputs = GatewayOutputs(leadership, self.streams)
         self.events = KVEventStream(
             r, self.streams, max_bytes=int(config.kv_events_max_mb * 1e6), snapshot_interval_s=config.snapshot_interval_s,
-            block_size=config.block_size, hash_algo=config.hash_algo,
+            block_size=config.block_size, hash_algo=config.hash_algo, writer=leadership,
         )  # fmt: skip
         log.info(
             "kv_cache_capacity",
@@ -178,13 +179,13 @@ class Engine:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.leadership.held():  # a deposed leader leaves the keys to its successor
                 await self._write_snapshot()
-                await self.r.delete(self.streams.ledger_status)
+                await self.leadership.write(("DEL", self.streams.ledger_status))
 
     async def _prepare_streams(self) -> None:
         await self.intake.reader.ensure_groups("0")
         # Results from before this start belong to a previous epoch: skip them. Results need
         # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
-        await self.r.delete(self.streams.results)
+        await self.leadership.write(("DEL", self.streams.results))
 
     def background_done(self, task: asyncio.Task) -> None:
         """A background task ended (a reader, the lease renewal). One that died would leave the
@@ -386,7 +387,7 @@ class Engine:
                 await self._add_request(entry, msg)
             elif isinstance(msg, AbortRequest):
                 await self._abort(msg)
-                await self.intake.reader.ack([entry])
+                await self.intake.ack([entry])
             else:
                 await self._dead_letter(
                     entry, f"field 'kind': {kind_of(msg)!r} does not belong on the requests stream"
@@ -409,7 +410,7 @@ class Engine:
         if problem is not None:
             log.warning("request_rejected", req_id=msg.req_id, error=problem)
             await self.outputs.send(msg.gateway_id, rejection(msg, problem))
-            await self.intake.reader.ack([entry])
+            await self.intake.ack([entry])
             return
         self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
 
@@ -439,12 +440,13 @@ class Engine:
             await self._flush_outputs()  # a final output must not overtake tokens held back
             await self.outputs.send(tracked.msg.gateway_id, final)
         if tracked.entry is not None:
-            await self.intake.reader.ack([tracked.entry])
+            await self.intake.ack([tracked.entry])
 
     async def _dead_letter(self, entry: redis_streams.Entry, error: str) -> None:
+        await self.leadership.ensure()  # a deposed ledger leaves its entries to the successor
         await redis_streams.dead_letter(self.r, self.streams.dead_letters, entry, error)
         if entry.stream == self.streams.requests:  # results are read without a group: no ack
-            await self.intake.reader.ack([entry])
+            await self.intake.ack([entry])
         self.metrics.record_dead_letter(entry.stream)
 
     # ------------------------------------------------------------------ KV events
@@ -494,7 +496,11 @@ class Engine:
         self.metrics.set_workers(
             {w: (h.device, h.attention_backend) for w, h in self.workers.items()}
         )
-        await self.r.set(self.streams.ledger_status, encode(self.status()), px=5000)
+        # Fenced: a ledger paused between the check above and this write must not overwrite
+        # its successor's status (the key gateways and routers read).
+        await self.leadership.write(
+            ("SET", self.streams.ledger_status, encode(self.status()), "PX", 5000)
+        )
 
     def status(self) -> LedgerStatus:
         """What the gateways and routers read of this ledger (the status key, with a TTL)."""
