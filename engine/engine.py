@@ -89,6 +89,10 @@ class Engine:
         self.epoch_invalidated: str | None = None
         self.workers = workers
         self.no_worker_since: float | None = None  # monotonic time the last worker was lost
+        # Gateways whose marker key the status loop saw (they hold running requests), and the
+        # requests of those whose marker then went away, for the engine loop to abort.
+        self.gateways_seen: set[str] = set()
+        self.gone_gateways: dict[str, list[str]] = {}
         self.num_gpu_blocks, self.vocab_size = plan.num_gpu_blocks, plan.vocab_size
         self.model_name, self.capacity = plan.model_name, plan.capacity_line
 
@@ -255,6 +259,8 @@ class Engine:
     async def _between_steps(self) -> None:
         await self.leadership.ensure()
         await self._drain_intake()
+        if self.gone_gateways:
+            await self._abort_for_gone_gateways()
         if self.epoch_invalidated is not None:
             self.in_flight.clear()  # their results belong to the old epoch
             await self._flush_outputs()
@@ -414,6 +420,20 @@ class Engine:
             return
         self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
 
+    async def _abort_for_gone_gateways(self) -> None:
+        """A gateway that died cannot abort its requests, and nobody reads their tokens: once
+        its marker key is gone (--gateway-lease-s after its last renewal) they are aborted."""
+        gone, self.gone_gateways = self.gone_gateways, {}
+        for gateway_id, req_ids in gone.items():
+            aborted = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+            log.warning(
+                "gateway_gone", gateway_id=gateway_id, aborted=len(aborted),
+                marker=self.streams.gateway_marker(gateway_id),
+            )  # fmt: skip
+            for request in aborted:
+                log.info("request_aborted", req_id=request.request_id, reason="gateway_gone")
+                await self._finish_tracking(request, request_output(request, [], "abort"))
+
     async def _abort(self, msg: AbortRequest) -> None:
         for request in self.scheduler.finish_requests([msg.req_id], RequestStatus.FINISHED_ABORTED):
             log.info("request_aborted", req_id=msg.req_id, reason=msg.reason)
@@ -483,8 +503,34 @@ class Engine:
             # A fresh worker holds none of the cached data, a lost one took its share.
             log.warning("workers_changing", lost=lost, joined=joined)
             self.epoch_invalidated = "worker membership changed"
+        await self._check_gateways()
         self.intake.wake()
         await self._write_status()
+
+    async def _check_gateways(self) -> None:
+        """Is the marker of every gateway with requests here still there? One whose marker this
+        ledger saw and that is now gone has died (or Redis lost its data, which that gateway
+        notices too and fails its requests): hand its requests to the engine loop to abort. A
+        gateway never seen (one that writes requests without a marker) is left alone."""
+        by_gateway: dict[str, list[str]] = {}
+        for req_id, request in self.scheduler.requests.items():
+            by_gateway.setdefault(request.payload.msg.gateway_id, []).append(req_id)
+        names = list(by_gateway)
+        present: list[int] = []
+        if names:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for gateway_id in names:
+                    pipe.exists(self.streams.gateway_marker(gateway_id))
+                present = await pipe.execute()
+        seen = set()
+        for gateway_id, there in zip(names, present, strict=True):
+            if there:
+                seen.add(gateway_id)
+            elif gateway_id in self.gateways_seen:
+                self.gone_gateways[gateway_id] = by_gateway[gateway_id]
+        # A marker outlives its gateway by the lease, so a gateway that dies just after it
+        # sent a request is still seen here first.
+        self.gateways_seen = seen
 
     def attention_backends(self) -> dict[str, str]:
         """worker id -> the attention backend it chose at start-up (from its hello)."""

@@ -9,7 +9,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeVar, cast
 
 from services.environment import ConfigError, env
-from services.transport.keys import StreamNames
+from services.transport.keys import GATEWAY_LEASE_S, StreamNames
 
 C = TypeVar("C")
 
@@ -319,6 +319,13 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
         "KVLEDGER_REQUEST_TIMEOUT", 600.0, "seconds before a request is aborted", float
     )
     ledger_wait_s: float = _opt(None, 10.0, "seconds to wait for a live ledger before 503", float)
+    gateway_lease_s: float = _opt(
+        "KVLEDGER_GATEWAY_LEASE_S",
+        GATEWAY_LEASE_S,
+        "seconds this gateway's marker key outlives its last renewal (every second): a ledger "
+        "aborts the requests of a gateway whose marker is gone",
+        float,
+    )
     stall_timeout_s: float = _opt(
         "KVLEDGER_STALL_TIMEOUT",
         60.0,

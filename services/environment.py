@@ -51,6 +51,7 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
     "KVLEDGER_STALL_TIMEOUT": "seconds a waiting request lives without a ledger or workers and "
     "without output before a 503 (default 60)",
+    "KVLEDGER_GATEWAY_LEASE_S": "seconds a dead gateway's requests keep running before the ledger aborts them (default 15)",
     "KVLEDGER_MAX_REQUEST_FAILURES": "failed steps a request may take part in before the ledger "
     "quarantines it (default 3)",
     "KVLEDGER_HEADER_TIMEOUT_S": "seconds an HTTP client may take to send its headers, or sit idle between requests (default 10)",
