@@ -104,7 +104,7 @@ class Unfenced:
         async with self.r.pipeline(transaction=False) as pipe:
             for op in ops:
                 pipe.execute_command(*op)
-            return cast(list[Any], await pipe.execute())
+            return await pipe.execute()
 
 
 class Leadership:

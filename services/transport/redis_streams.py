@@ -333,8 +333,8 @@ class GroupReader:
                     )
                     if not pending:
                         break
-                    ids = [p["message_id"] for p in pending]
-                    reply = await self.r.xclaim(stream, self.group, self.consumer, 0, ids)
+                    ids: list[Any] = [p["message_id"] for p in pending]
+                    reply: Any = await self.r.xclaim(stream, self.group, self.consumer, 0, ids)
                     got = {entry_id: fields for entry_id, fields in reply if fields}
                     claimed.extend(Entry(stream, i, f) for i, f in got.items())
                     if gone := [i for i in ids if i not in got]:  # trimmed away: nothing to do
