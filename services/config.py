@@ -314,7 +314,9 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
         flags=("--served-model-name", "--model-name"),
     )
     gateway_id: str | None = _opt(None, None, "this gateway's id (default: host-pid)")
-    max_queue: int = _opt("KVLEDGER_MAX_QUEUE", 512, "requests in flight before 429", int)
+    max_queue: int = _opt(
+        "KVLEDGER_MAX_QUEUE", 512, "sequences (prompts x n or best_of) in flight before 429", int
+    )
     request_timeout_s: float = _opt(
         "KVLEDGER_REQUEST_TIMEOUT", 600.0, "seconds before a request is aborted", float
     )

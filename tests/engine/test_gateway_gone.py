@@ -96,9 +96,9 @@ def test_a_killed_gateways_requests_are_aborted_and_every_block_ends_free(replic
     aborted_s = time.monotonic() - killed_at
     assert gone["aborted"] == REQUESTS
     assert aborted_s <= LEASE_S + MARGIN_S, f"aborted {aborted_s:.1f}s after the kill"
+    idle = replica.wait_idle(timeout=15)
     reasons = [e["reason"] for e in ledger.events("request_aborted")]
     assert reasons == ["gateway_gone"] * REQUESTS
-    idle = replica.wait_idle(timeout=15)
     assert idle.num_running == 0
     print(f"the killed gateway's {REQUESTS} requests were aborted {aborted_s:.1f}s after the kill")
     for client in clients:
