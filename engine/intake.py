@@ -86,7 +86,8 @@ class RequestIntake:
         """How long a read may block: until shortly before the lease could lapse. While the
         lease is in doubt (a renewal late or failing, a pause just ended) nothing is read: the
         renewal restores it, or the engine loop finds it lost and stops."""
-        while (held_s := self.leadership.held_for() - READ_MARGIN_S) < READ_MARGIN_S:
+        margin = min(READ_MARGIN_S, self.leadership.ttl_ms / 10_000)  # a short lease: less
+        while (held_s := self.leadership.held_for() - margin) < margin:
             await asyncio.sleep(0.02)
         return min(held_s, MAX_BLOCK_S)
 
