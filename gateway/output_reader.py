@@ -158,7 +158,11 @@ class OutputDispatcher:
             except (RedisError, OSError):
                 continue  # the reader's loop reports the outage
             if lost:
-                self.fail_all("Redis restarted without its data and lost this request; retry it")
+                self.fail_all(
+                    "this gateway's marker key was gone: Redis restarted without its data, or "
+                    f"the gateway could not renew it for {self.marker_ttl_s:g}s "
+                    "(--gateway-lease-s) and the ledger aborted its requests; retry it"
+                )
 
     def fail_all(self, error: str) -> None:
         """End every waiting request with an explicit error (it may have been lost)."""
