@@ -89,6 +89,10 @@ class Engine:
         self.epoch_invalidated: str | None = None
         self.workers = workers
         self.no_worker_since: float | None = None  # monotonic time the last worker was lost
+        # Gateways whose marker key the status loop saw (they hold running requests), and the
+        # requests of those whose marker then went away, for the engine loop to abort.
+        self.gateways_seen: set[str] = set()
+        self.gone_gateways: dict[str, list[str]] = {}
         self.num_gpu_blocks, self.vocab_size = plan.num_gpu_blocks, plan.vocab_size
         self.model_name, self.capacity = plan.model_name, plan.capacity_line
 
@@ -119,7 +123,7 @@ class Engine:
             collections.deque()
         )
 
-        self.intake = RequestIntake(r, self.streams, self._count_outage)
+        self.intake = RequestIntake(r, self.streams, leadership, self._count_outage)
         self.step_results = StepResults(
             r,
             self.streams.results,
@@ -129,10 +133,11 @@ class Engine:
             leader_token=lambda: self.leadership.token,
         )
         self.quarantine = Quarantine(config.max_request_failures)
-        self.outputs = GatewayOutputs(r, self.streams)
+        # Every write a gateway, a router or a successor reads is fenced (Leadership.write).
+        self.outputs = GatewayOutputs(leadership, self.streams)
         self.events = KVEventStream(
             r, self.streams, max_bytes=int(config.kv_events_max_mb * 1e6), snapshot_interval_s=config.snapshot_interval_s,
-            block_size=config.block_size, hash_algo=config.hash_algo,
+            block_size=config.block_size, hash_algo=config.hash_algo, writer=leadership,
         )  # fmt: skip
         log.info(
             "kv_cache_capacity",
@@ -178,13 +183,13 @@ class Engine:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.leadership.held():  # a deposed leader leaves the keys to its successor
                 await self._write_snapshot()
-                await self.r.delete(self.streams.ledger_status)
+                await self.leadership.write(("DEL", self.streams.ledger_status))
 
     async def _prepare_streams(self) -> None:
         await self.intake.reader.ensure_groups("0")
         # Results from before this start belong to a previous epoch: skip them. Results need
         # no consumer group: only this ledger reads them, and a lost one fails its step anyway.
-        await self.r.delete(self.streams.results)
+        await self.leadership.write(("DEL", self.streams.results))
 
     def background_done(self, task: asyncio.Task) -> None:
         """A background task ended (a reader, the lease renewal). One that died would leave the
@@ -254,6 +259,8 @@ class Engine:
     async def _between_steps(self) -> None:
         await self.leadership.ensure()
         await self._drain_intake()
+        if self.gone_gateways:
+            await self._abort_for_gone_gateways()
         if self.epoch_invalidated is not None:
             self.in_flight.clear()  # their results belong to the old epoch
             await self._flush_outputs()
@@ -390,7 +397,7 @@ class Engine:
                 await self._add_request(entry, msg)
             elif isinstance(msg, AbortRequest):
                 await self._abort(msg)
-                await self.intake.reader.ack([entry])
+                await self.intake.ack([entry])
             else:
                 await self._dead_letter(
                     entry, f"field 'kind': {kind_of(msg)!r} does not belong on the requests stream"
@@ -413,9 +420,23 @@ class Engine:
         if problem is not None:
             log.warning("request_rejected", req_id=msg.req_id, error=problem)
             await self.outputs.send(msg.gateway_id, rejection(msg, problem))
-            await self.intake.reader.ack([entry])
+            await self.intake.ack([entry])
             return
         self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
+
+    async def _abort_for_gone_gateways(self) -> None:
+        """A gateway that died cannot abort its requests, and nobody reads their tokens: once
+        its marker key is gone (--gateway-lease-s after its last renewal) they are aborted."""
+        gone, self.gone_gateways = self.gone_gateways, {}
+        for gateway_id, req_ids in gone.items():
+            aborted = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+            log.warning(
+                "gateway_gone", gateway_id=gateway_id, aborted=len(aborted),
+                marker=self.streams.gateway_marker(gateway_id),
+            )  # fmt: skip
+            for request in aborted:
+                log.info("request_aborted", req_id=request.request_id, reason="gateway_gone")
+                await self._finish_tracking(request, request_output(request, [], "abort"))
 
     async def _abort(self, msg: AbortRequest) -> None:
         for request in self.scheduler.finish_requests([msg.req_id], RequestStatus.FINISHED_ABORTED):
@@ -443,12 +464,13 @@ class Engine:
             await self._flush_outputs()  # a final output must not overtake tokens held back
             await self.outputs.send(tracked.msg.gateway_id, final)
         if tracked.entry is not None:
-            await self.intake.reader.ack([tracked.entry])
+            await self.intake.ack([tracked.entry])
 
     async def _dead_letter(self, entry: redis_streams.Entry, error: str) -> None:
+        await self.leadership.ensure()  # a deposed ledger leaves its entries to the successor
         await redis_streams.dead_letter(self.r, self.streams.dead_letters, entry, error)
         if entry.stream == self.streams.requests:  # results are read without a group: no ack
-            await self.intake.reader.ack([entry])
+            await self.intake.ack([entry])
         self.metrics.record_dead_letter(entry.stream)
 
     # ------------------------------------------------------------------ KV events
@@ -485,8 +507,34 @@ class Engine:
             # A fresh worker holds none of the cached data, a lost one took its share.
             log.warning("workers_changing", lost=lost, joined=joined)
             self.epoch_invalidated = "worker membership changed"
+        await self._check_gateways()
         self.intake.wake()
         await self._write_status()
+
+    async def _check_gateways(self) -> None:
+        """Is the marker of every gateway with requests here still there? One whose marker this
+        ledger saw and that is now gone has died (or Redis lost its data, which that gateway
+        notices too and fails its requests): hand its requests to the engine loop to abort. A
+        gateway never seen (one that writes requests without a marker) is left alone."""
+        by_gateway: dict[str, list[str]] = {}
+        for req_id, request in self.scheduler.requests.items():
+            by_gateway.setdefault(request.payload.msg.gateway_id, []).append(req_id)
+        names = list(by_gateway)
+        present: list[int] = []
+        if names:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for gateway_id in names:
+                    pipe.exists(self.streams.gateway_marker(gateway_id))
+                present = await pipe.execute()
+        seen = set()
+        for gateway_id, there in zip(names, present, strict=True):
+            if there:
+                seen.add(gateway_id)
+            elif gateway_id in self.gateways_seen:
+                self.gone_gateways[gateway_id] = by_gateway[gateway_id]
+        # A marker outlives its gateway by the lease, so a gateway that dies just after it
+        # sent a request is still seen here first.
+        self.gateways_seen = seen
 
     def attention_backends(self) -> dict[str, str]:
         """worker id -> the attention backend it chose at start-up (from its hello)."""
@@ -498,7 +546,11 @@ class Engine:
         self.metrics.set_workers(
             {w: (h.device, h.attention_backend) for w, h in self.workers.items()}
         )
-        await self.r.set(self.streams.ledger_status, encode(self.status()), px=5000)
+        # Fenced: a ledger paused between the check above and this write must not overwrite
+        # its successor's status (the key gateways and routers read).
+        await self.leadership.write(
+            ("SET", self.streams.ledger_status, encode(self.status()), "PX", 5000)
+        )
 
     def status(self) -> LedgerStatus:
         """What the gateways and routers read of this ledger (the status key, with a TTL)."""

@@ -11,6 +11,11 @@ go to an overlay that is merged back when the snapshot is written.
 The stream is capped by memory, not by a count: entries vary in size (a batch of one removal
 is tens of bytes, a long prefill's stored blocks kilobytes), so the MAXLEN of each XADD is the
 budget divided by the average entry seen so far (payload plus Redis' per-entry overhead).
+
+Every write that others read (a batch, the snapshot) goes through the engine's `Writer`: the
+leader's fenced write, so a deposed ledger (paused past its lease) publishes nothing over its
+successor's events, the background snapshot writer included, whose write lands after its
+encoding thread returns.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from array import array
 from itertools import islice
 from typing import cast
 
 import redis.asyncio as aioredis
 
+from engine.leadership import LeadershipLost, Unfenced, Writer
 from ledger.block_pool import BlockPool
 from ledger.events import AnyKVCacheEvent, KVEventBatch, encode_batch
 from ledger.hashing import to_event_hash
@@ -52,6 +59,7 @@ SNAPSHOT_CHUNK = 50_000
 # The snapshot goes to Redis in parts of this size, each its own command: one SET of 12 MB
 # (1M cached blocks) held the loop ~20 ms sending it, a 1 MB APPEND about a tenth of that.
 SNAPSHOT_PART_BYTES = 1 << 20
+BUILDING_TTL_S = 600  # a snapshot being built that its writer never renamed (it died) goes away
 
 
 class KVEventStream:
@@ -64,8 +72,10 @@ class KVEventStream:
         snapshot_interval_s: float,
         block_size: int,
         hash_algo: str,
+        writer: Writer | None = None,
     ) -> None:
         self.r = r
+        self.writer = writer or Unfenced(r)
         self.streams = streams
         self.max_bytes = max_bytes
         self._entry_bytes = 0  # payload bytes of every entry published, for the average
@@ -98,15 +108,11 @@ class KVEventStream:
         batch = encode_batch(KVEventBatch(time.time(), events))
         runs = batch_runs(events)
         hashes = encode_runs(runs)
-        self.last_id = cast(
-            bytes,
-            await self.r.xadd(
-                self.streams.events,
-                {b"batch": batch, HASHES_FIELD: hashes},
-                maxlen=self.maxlen,
-                approximate=True,
-            ),
+        stream = self.streams.events
+        (entry_id,) = await self.writer.write(
+            ("XADD", stream, "MAXLEN", "~", self.maxlen, "*", b"batch", batch, HASHES_FIELD, hashes)
         )
+        self.last_id = cast(bytes, entry_id)
         self.batches += 1
         self._entry_bytes += len(batch) + len(HASHES_FIELD) + len(hashes)
         self.published += len(events)
@@ -187,6 +193,9 @@ class KVEventStream:
             await self._write(hashes, values, stream_id, epoch)
         except aioredis.RedisError as exc:
             log.warning("kv_snapshot_failed error=%s", exc)
+        except LeadershipLost:
+            # Fenced off: a successor leads. The engine loop finds out at its next write.
+            log.warning("kv_snapshot_fenced epoch=%s", epoch)
         finally:
             self._snapshot_task = None
 
@@ -209,15 +218,16 @@ class KVEventStream:
         data = await asyncio.to_thread(self._encode, hashes, values, stream_id, epoch)
         key = self.streams.events_snapshot
         if len(data) <= SNAPSHOT_PART_BYTES:
-            await self.r.set(key, data)
+            await self.writer.write(("SET", key, data))
         else:
-            # Built beside the live key (same hash tag: same cluster slot) and renamed over it
-            # at once, so a subscriber never reads half a snapshot.
-            building, view = f"{key}:writing", memoryview(data)
-            await self.r.set(building, view[:SNAPSHOT_PART_BYTES])
+            # Built beside the live key (same hash tag: same cluster slot; a name of this
+            # writer's own, expiring, so that no other writer appends to it) and renamed over it
+            # at once, fenced, so a subscriber never reads half a snapshot or a deposed one.
+            building, view = f"{key}:writing:{uuid.uuid4().hex[:8]}", memoryview(data)
+            await self.r.set(building, view[:SNAPSHOT_PART_BYTES], ex=BUILDING_TTL_S)
             for start in range(SNAPSHOT_PART_BYTES, len(data), SNAPSHOT_PART_BYTES):
                 await self.r.append(building, view[start : start + SNAPSHOT_PART_BYTES])
-            await self.r.rename(building, key)
+            await self.writer.write(("RENAME", building, key), ("PERSIST", key))
         self.snapshots_written += 1
 
     async def write_snapshot(self, pool: BlockPool, epoch: str) -> None:

@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from typing import NoReturn, cast
+from typing import Any, NoReturn, Protocol, cast
 
 import redis.asyncio as aioredis
 
@@ -52,14 +52,26 @@ if holder == false then
 end
 return 0
 """
-# A step goes on the stream only while no later leader has drawn a token: the check and the XADD
-# are one script, so a leader paused between its lease check and its write (SIGSTOP, a long GC)
-# cannot append a step once a successor holds the workers. Returns nil when fenced off.
-_FENCED_XADD = """
-if tonumber(redis.call('GET', KEYS[2]) or '0') > tonumber(ARGV[1]) then
+# A leader's write happens only while no later leader has drawn a token: the check and the
+# commands are one script, so a leader paused between its lease check and its write (SIGSTOP, a
+# long GC) cannot write once a successor holds the replica. KEYS[1] is the token counter, each
+# further key is one command's: ARGV holds the token, then per command its name, the count of
+# its other arguments and those arguments. Returns nil when fenced off, else every reply.
+_FENCED = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') > tonumber(ARGV[1]) then
     return false
 end
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
+local replies, a = {}, 2
+for k = 2, #KEYS do
+    local n = tonumber(ARGV[a + 1])
+    local args = {ARGV[a], KEYS[k]}
+    for j = 1, n do
+        args[j + 2] = ARGV[a + 1 + j]
+    end
+    a = a + 2 + n
+    replies[k - 1] = redis.call(unpack(args))
+end
+return replies
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -71,6 +83,28 @@ return 0
 
 class LeadershipLost(RuntimeError):
     """The lease ran out or went to another ledger: this ledger must not step again."""
+
+
+# One Redis command whose first argument is its key, e.g. ("SET", key, value, "PX", 5000).
+Op = tuple[Any, ...]
+
+
+class Writer(Protocol):
+    """How a part of the engine writes to Redis: `Leadership` fences every write with the
+    leader's token; `Unfenced` (a component used on its own: tests, benchmarks) does not."""
+
+    async def write(self, *ops: Op) -> list[Any]: ...
+
+
+class Unfenced:
+    def __init__(self, r: aioredis.Redis) -> None:
+        self.r = r
+
+    async def write(self, *ops: Op) -> list[Any]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            for op in ops:
+                pipe.execute_command(*op)
+            return await pipe.execute()
 
 
 class Leadership:
@@ -85,9 +119,17 @@ class Leadership:
         self.leader_seen: str | None = None  # the holder this standby waits for
         self._valid_until = 0.0
         self._lost = False
+        self._fenced = r.register_script(_FENCED)
 
     def held(self) -> bool:
         return not self._lost and time.monotonic() < self._valid_until
+
+    def held_for(self) -> float:
+        """Seconds the lease is still surely ours (0 once in doubt): what Redis hands this
+        ledger within them (a blocking read), it hands to the leader."""
+        if self._lost:
+            return 0.0
+        return max(self._valid_until - time.monotonic(), 0.0)
 
     async def ensure(self) -> None:
         """Return once the lease is surely ours; LeadershipLost if another ledger holds it.
@@ -140,15 +182,25 @@ class Leadership:
         raise asyncio.CancelledError
 
     async def append_fenced(self, stream: str, field: bytes, value: bytes, maxlen: int) -> bytes:
-        """XADD to a stream of this replica (same hash tag as the token key) unless a later
-        leader drew a token; LeadershipLost then. The lease check before a write can pass just
-        before the process is paused; this check cannot, being the write itself."""
-        entry_id = await self.r.eval(
-            _FENCED_XADD, 2, stream, self.token_key, self.token, maxlen, field, value
-        )
-        if entry_id is None:
-            self._lose(f"a later leader than fence {self.token} holds {self.key}")
+        """XADD to a stream of this replica unless a later leader drew a token (`write`)."""
+        (entry_id,) = await self.write(("XADD", stream, "MAXLEN", "~", maxlen, "*", field, value))
         return cast(bytes, entry_id)
+
+    async def write(self, *ops: Op) -> list[Any]:
+        """Run the commands (on keys of this replica: the token key's hash tag) unless a later
+        leader drew a token; LeadershipLost then, and nothing is written. The lease check before
+        a write can pass just before the process is paused; this check cannot, being the write
+        itself. Every write of the leader goes through here: steps, outputs, KV events, the
+        snapshot, the status key, acks of the requests stream."""
+        keys: list[Any] = [self.token_key]
+        args: list[Any] = [self.token]
+        for op in ops:
+            keys.append(op[1])
+            args.extend((op[0], len(op) - 2, *op[2:]))
+        replies = await self._fenced(keys=keys, args=args)
+        if replies is None:
+            self._lose(f"a later leader than fence {self.token} holds {self.key}")
+        return cast(list[Any], replies)
 
     async def renew_forever(self) -> None:
         """Extend the lease every third of its TTL; raise LeadershipLost once another holds it."""

@@ -1,11 +1,11 @@
 """The tokens the ledger streams to the gateways: one OutputBatch per gateway per step, held back
 one step so that the round trip overlaps the workers' next step, each outputs stream given its
-expiry on every write (a stream nobody writes or reads any more goes away)."""
+expiry on every write (a stream nobody writes or reads any more goes away). Every write is the
+leader's fenced write (`Leadership.write`): a deposed ledger's tokens never reach a gateway."""
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
-
+from engine.leadership import Op, Writer
 from engine.translate import Tracked, request_output
 from ledger.scheduler import RequestUpdate
 from services.transport import redis_streams
@@ -13,10 +13,17 @@ from services.transport.keys import OUTPUTS_TTL_S, StreamNames
 from services.wire.codec import encode
 from services.wire.messages import OutputBatch, RequestOutput
 
+MAXLEN = 100_000
+
+
+def _ops(stream: str, batch: bytes) -> tuple[Op, Op]:
+    xadd = ("XADD", stream, "MAXLEN", "~", MAXLEN, "*", redis_streams.FIELD, batch)
+    return xadd, ("EXPIRE", stream, OUTPUTS_TTL_S)
+
 
 class GatewayOutputs:
-    def __init__(self, r: aioredis.Redis, streams: StreamNames) -> None:
-        self.r = r
+    def __init__(self, writer: Writer, streams: StreamNames) -> None:
+        self.writer = writer
         self.streams = streams
         # The last step's results, sent to the gateways while the workers run the next step.
         self.unsent: list[RequestUpdate[Tracked]] = []
@@ -46,16 +53,12 @@ class GatewayOutputs:
             if outs is None:
                 outs = by_gateway[gateway_id] = []
             outs.append(out)
-        async with self.r.pipeline(transaction=False) as pipe:
-            for gateway_id, outs in by_gateway.items():
-                stream = self.streams.outputs(gateway_id)
-                batch = encode(OutputBatch(outputs=outs))
-                pipe.xadd(stream, {redis_streams.FIELD: batch}, maxlen=100_000, approximate=True)
-                pipe.expire(stream, OUTPUTS_TTL_S)
-            await pipe.execute()
+        ops: list[Op] = []
+        for gateway_id, outs in by_gateway.items():
+            ops.extend(_ops(self.streams.outputs(gateway_id), encode(OutputBatch(outputs=outs))))
+        await self.writer.write(*ops)
 
     async def send(self, gateway_id: str, out: RequestOutput) -> None:
         """One output at once (a rejection, an abort, an error), outside the step's batch."""
         stream = self.streams.outputs(gateway_id)
-        await redis_streams.append(self.r, stream, OutputBatch(outputs=[out]))
-        await self.r.expire(stream, OUTPUTS_TTL_S)
+        await self.writer.write(*_ops(stream, encode(OutputBatch(outputs=[out]))))

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import hmac
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -156,7 +157,9 @@ async def _until_sigterm() -> None:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes an OpenAI-style JSON error body."""
+    """Every failure becomes an OpenAI-style JSON error body; its log line says how long the
+    gateway took to answer it (`elapsed_s`: from the handler's start, e.g. a 429's cost)."""
+    started = time.monotonic()
     try:
         return await handler(request)
     except ApiError as exc:
@@ -165,6 +168,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             "request_failed" if failed else "request_rejected", path=request.path,
             status=exc.status, param=exc.param,
             error_type=exc.err_type, reason=exc.message,
+            elapsed_s=round(time.monotonic() - started, 6),
         )  # fmt: skip
         return _error_response(exc)
     except web.HTTPException as exc:

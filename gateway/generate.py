@@ -1,11 +1,15 @@
 """The request path of /v1/completions and /v1/chat/completions, step by step (`_run`):
 
-1. read the body (408 past --body-timeout-s) and parse it into jobs (`gateway.protocol`:
-   validation, tokenization; a 400 names the field);
-2. admission: a place in --max-queue (429 past it) and a live ledger's limits;
-3. one job per sequence (`fan_out`: n samples of every prompt, best_of's candidates);
-4. each job routed to a replica and put on its requests stream (`gateway.inflight.Generation`,
-   which `gateway.router` routes);
+1. admission, cheaply: a 429 at once when no place in --max-queue is free, before the body is
+   read or tokenized (a burst past the queue costs next to nothing);
+2. read the body (408 past --body-timeout-s) and count its sequences (prompts x n, or x best_of,
+   `count_sequences`): each takes a place in --max-queue (429 when they are not free; a 400
+   naming the field when they never could be);
+3. parse it into jobs (`gateway.protocol`: validation, tokenization in a thread; a 400 names
+   the field) against a live ledger's limits;
+4. one job per sequence (`fan_out`: n samples of every prompt, best_of's candidates), each
+   routed to a replica and put on its requests stream (`gateway.inflight.Generation`, which
+   `gateway.router` routes), a fan-out a few at a time (`gateway.fanout`);
 5. the reply: one JSON body or server-sent events (`gateway.answer`, bodies in `gateway.bodies`).
 
 The request's SERVER span is the root of its trace; the ledger and the workers join it.
@@ -23,8 +27,10 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway.answer import respond, stream, total_usage
 from gateway.bodies import Meta
+from gateway.fanout import FanOut
 from gateway.fields import ApiError
 from gateway.inflight import Generation
+from gateway.prompts import count_sequences
 from gateway.protocol import Job, fan_out, parse_chat, parse_completion, parse_json, resolve
 from gateway.state import GATEWAY, Gateway
 from observability import Attr, get_logger
@@ -32,6 +38,7 @@ from observability.ratelimit import RateLimitedLog
 
 log = get_logger("gateway")
 _slow_clients = RateLimitedLog(log)  # a flood of slow bodies logs a line per interval
+PARSE_INLINE_BYTES = 64 * 1024  # a body this small parses in well under a millisecond
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -67,12 +74,21 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.StreamResponse:
     arrival = time.monotonic()
-    body = parse_json(await _read_body(request, gw.config.body_timeout_s))
-    jobs = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
-    async with gw.admit():
+    gw.refuse_when_full()  # before reading: a full gateway answers a burst at once
+    raw = await _read_body(request, gw.config.body_timeout_s)
+    # A large body is parsed off the loop, so that /health and the others keep answering.
+    body = (
+        parse_json(raw)
+        if len(raw) < PARSE_INLINE_BYTES
+        else await asyncio.to_thread(parse_json, raw)
+    )
+    places = count_sequences(kind, body, gw.config.max_queue)
+    async with gw.admit(places):
+        jobs = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
         limits = gw.limits(await gw.wait_for_ledger())
         # One ledger request per choice (n samples of every prompt), all under one response id.
         children = fan_out([resolve(job, limits) for job in jobs])
+        assert len(children) == places, "count_sequences and fan_out disagree"
         span.set_attribute(Attr.GEN_AI_REQUEST_MODEL, limits.model_name)
         gens: list[Generation] = []
         for job in children:
@@ -80,12 +96,15 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
             gens.append(Generation(gw, job, lambda: _client_gone(request), arrival, response_id))
         try:
             async with contextlib.AsyncExitStack() as stack:
-                for gen in gens:
-                    await stack.enter_async_context(gen)
-                meta = Meta(kind, gens[0].response_id, int(time.time()), limits.model_name)
-                if children[0].stream:
-                    return await stream(request, gens, meta)
-                return await respond(gens, meta)
+                fan = FanOut(gens, stack)
+                try:
+                    await fan.start()
+                    meta = Meta(kind, gens[0].response_id, int(time.time()), limits.model_name)
+                    if children[0].stream:
+                        return await stream(request, gens, meta)
+                    return await respond(gens, meta)
+                finally:
+                    await fan.close()  # nothing more is enqueued once the response ends
         finally:
             span.set_attributes(gens[0].span_attributes(total_usage(gens)))
 

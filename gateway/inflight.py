@@ -91,6 +91,11 @@ class Generation:
         self._enqueued = False
         self._queue: asyncio.Queue | None = None
         self.replica: str | None = None  # routing's choice, on entry
+        # A fan-out puts its generations on the ledger a few at a time (gateway.fanout): one
+        # not entered yet waits here before its deltas; `refused` is why it never will be.
+        self.entered = asyncio.Event()
+        self.refused: BaseException | None = None
+        self.on_started: Callable[[], None] | None = None  # once: its first output, or its end
 
     async def __aenter__(self) -> Generation:
         # 503 here when every replica is out; pending there until __aexit__ releases it.
@@ -116,6 +121,7 @@ class Generation:
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, None)
             raise
+        self.entered.set()
         log.info(
             "request_enqueued", req_id=self.req_id, kind=self.job.kind,
             prompt_tokens=len(self.job.prompt_token_ids), max_tokens=self.sampling.max_tokens,
@@ -132,6 +138,7 @@ class Generation:
     ) -> None:
         self.gw.outputs.unregister(self.req_id)
         self.gw.routing.release(self.req_id)
+        self._started()
         if not self._enqueued:
             return
         exc = exc or self.ended_by
@@ -156,11 +163,25 @@ class Generation:
             e2e_s=round(time.monotonic() - self.arrival, 6),
         )  # fmt: skip
 
+    def refuse(self, exc: BaseException) -> None:
+        """This generation will never be enqueued (its fan-out failed): its deltas raise `exc`."""
+        self.refused = exc
+        self.entered.set()
+
+    def _started(self) -> None:
+        callback, self.on_started = self.on_started, None
+        if callback is not None:
+            callback()
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text as it becomes safe to show; the last delta carries the finish reason."""
+        await self.entered.wait()
+        if self.refused is not None:
+            raise self.refused
         while True:
             start = len(self.tracker.token_ids)
             new_ids = self.tracker.accept(await self._next_output())
+            self._started()
             logprobs = self._logprobs(start)
             if new_ids and self.first_token_s is None:
                 self.first_token_s = time.monotonic() - self.arrival

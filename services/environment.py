@@ -50,9 +50,10 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_METRICS_PORT": "port of the ledger's Prometheus endpoint (default 9100, 0 = off)",
     "KVLEDGER_NO_WORKER_TIMEOUT": "seconds the ledger holds requests with no live worker before failing them (default 60, 0 = never)",
     "KVLEDGER_REQUEST_TIMEOUT": "seconds a request may take before the gateway aborts it (default 600)",
-    "KVLEDGER_MAX_QUEUE": "requests the gateway keeps in flight before it answers 429 (default 512)",
+    "KVLEDGER_MAX_QUEUE": "sequences (prompts x n or best_of) the gateway keeps in flight before it answers 429 (default 512)",
     "KVLEDGER_STALL_TIMEOUT": "seconds a waiting request lives without a ledger or workers and "
     "without output before a 503 (default 60)",
+    "KVLEDGER_GATEWAY_LEASE_S": "seconds a dead gateway's requests keep running before the ledger aborts them (default 15)",
     "KVLEDGER_MAX_REQUEST_FAILURES": "failed steps a request may take part in before the ledger "
     "quarantines it (default 3)",
     "KVLEDGER_HEADER_TIMEOUT_S": "seconds an HTTP client may take to send its headers, or sit idle between requests (default 10)",

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 # last refreshed it: the streams of gateways that restarted (a new id each start) or never
 # existed (a request naming an unknown gateway) go away on their own.
 OUTPUTS_TTL_S = 600
+# A gateway renews its marker every second with this expiry (--gateway-lease-s): a marker that
+# is gone means the gateway is dead (or Redis lost its data), and a ledger aborts its requests.
+GATEWAY_LEASE_S = 15.0
 
 
 @dataclass(slots=True)
@@ -66,7 +69,8 @@ class StreamNames:
         return f"{self.base}:outputs:{gateway_id}"
 
     def gateway_marker(self, gateway_id: str) -> str:
-        """A key the gateway renews: its absence means Redis lost its data (see gateway.output_reader)."""
+        """A key the gateway renews: its absence means Redis lost its data (see
+        gateway.output_reader) or the gateway is gone (the ledger aborts its requests)."""
         return f"{self.base}:gateways:{gateway_id}"
 
     def worker(self, group: str, worker_id: str) -> str:

@@ -210,6 +210,16 @@ def decode_entry(entry: Entry, expect: type[M] | None = None) -> codec.Message:
     return codec.decode(data) if expect is None else codec.decode(data, expect)
 
 
+# Delete a consumer only if nothing is pending under it: XGROUP DELCONSUMER drops its pending
+# entries, and one read between a check and the delete would be lost.
+_DELETE_IF_EMPTY = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+    return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return -1
+"""
+
+
 class GroupReader:
     """One consumer in a consumer group on one or more streams.
 
@@ -298,6 +308,39 @@ class GroupReader:
             except ResponseError as exc:
                 if not is_nogroup(exc):  # gone with Redis's data: nothing left to ack
                     raise
+
+    async def claim_others(self, count: int = 256) -> list[Entry]:
+        """Take over every entry pending under another consumer of the group (one that no
+        longer reads: a deposed leader), then delete that consumer if nothing is pending under
+        it any more (checked and deleted in one script: an entry it reads meanwhile stays
+        pending under it, for the next pass). Cheap when there is nothing to take: one XPENDING
+        summary per stream."""
+        claimed: list[Entry] = []
+        for stream in self.streams:
+            try:
+                summary = await self.r.xpending(stream, self.group)
+            except ResponseError as exc:
+                if is_nogroup(exc):
+                    continue  # read() re-creates the group
+                raise
+            for row in summary.get("consumers") or []:
+                name = row["name"].decode() if isinstance(row["name"], bytes) else row["name"]
+                if name == self.consumer:
+                    continue
+                for _ in range(int(row["pending"]) // count + 1):
+                    pending = await self.r.xpending_range(
+                        stream, self.group, "-", "+", count, consumername=name
+                    )
+                    if not pending:
+                        break
+                    ids: list[Any] = [p["message_id"] for p in pending]
+                    reply: Any = await self.r.xclaim(stream, self.group, self.consumer, 0, ids)
+                    got = {entry_id: fields for entry_id, fields in reply if fields}
+                    claimed.extend(Entry(stream, i, f) for i, f in got.items())
+                    if gone := [i for i in ids if i not in got]:  # trimmed away: nothing to do
+                        await self.r.xack(stream, self.group, *gone)
+                await self.r.eval(_DELETE_IF_EMPTY, 1, stream, self.group, name)
+        return claimed
 
     async def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """XAUTOCLAIM every entry idle for `min_idle_ms` in the group's pending lists (paging

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from engine.intake import GROUP, consumer_name
 from services.transport.keys import StreamNames
 from services.transport.redis_streams import FIELD
 from services.wire import codec
@@ -27,6 +28,7 @@ from services.wire.messages import (
     SamplingParams,
     StepMessage,
 )
+from tests.engine.test_fencing import CLAIM_BOUND_S
 from tests.harness.stack import dense_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -249,10 +251,84 @@ def test_a_leader_paused_past_its_lease_cannot_step(replica, tiny_model):
     dropped = worker.wait_for("stale_leader_step", 10)
     assert dropped["fence"] == 1 and dropped["highest_fence"] == 2
 
+    # The status key is the new leader's, not overwritten by the resumed one.
+    status = replica.status()
+    assert status is not None and status.epoch.startswith(_epoch_prefix(second))
+
     # The new leader still serves, with every block free afterwards.
     replica.tokens.clear()
     replica.finished.clear()
     replica.submit("after", PROMPTS["r0"], MAX_TOKENS)
     replica.wait_finished(["after"], timeout=60)
     assert replica.tokens["after"] == expected["r0"]
+    replica.wait_idle()
+
+
+def _epoch_prefix(ledger: Proc) -> str:
+    return ledger.events("epoch_started")[0]["epoch"].split(".")[0]
+
+
+def test_a_request_read_by_a_deposed_leader_is_answered_by_the_leader(replica, tiny_model):
+    """Issue 22: a leader paused past its lease resumed and its reader took a request off the
+    stream before its engine loop found the lease lost; the request stayed pending under the
+    dead consumer until the next leader change. Its reader now reads nothing once the lease is
+    in doubt; the read that can still slip through (a pause between the check and the read)
+    is reproduced here as the resumed process would send it, and the new leader claims the
+    request within seconds and answers it exactly."""
+    expected = _expected(tiny_model)
+    _, first, second = _start_pair(replica)
+    _submit_and_wait_for_progress(replica)
+    first.p.send_signal(signal.SIGSTOP)
+    second.wait_for("leader_elected", TTL_S + MARGIN_S)
+    replica.wait_finished(list(PROMPTS), timeout=90)
+    assert {r: replica.tokens[r] for r in PROMPTS} == expected
+
+    # The deposed leader's XREADGROUP lands as the request does.
+    msg = GenerateRequest(
+        req_id="stolen", gateway_id=GATEWAY, prompt_token_ids=PROMPTS["r1"],
+        sampling=SamplingParams(max_tokens=MAX_TOKENS), arrival_time=time.time(),
+    )  # fmt: skip
+    replica.tokens["stolen"] = []
+    deposed = consumer_name(1)  # the first leader's fencing token
+    with replica.r.pipeline(transaction=True) as pipe:
+        pipe.xadd(replica.streams.requests, {FIELD: codec.encode(msg)})
+        pipe.xreadgroup(GROUP, deposed, {replica.streams.requests: ">"}, count=1)
+        _, reply = pipe.execute()
+    read_at = time.monotonic()
+    assert reply and reply[0][1], "the deposed consumer did not get the request"
+    first.p.send_signal(signal.SIGCONT)  # it finds its lease lost and exits
+    assert first.p.wait(timeout=20) != 0
+
+    claimed = second.wait_for("requests_claimed", CLAIM_BOUND_S + 5)
+    assert claimed["consumer"] == consumer_name(2)
+    replica.wait_finished(["stolen"], timeout=60)
+    answered_s = time.monotonic() - read_at
+    assert replica.finished["stolen"] is None
+    assert replica.tokens["stolen"] == expected["r1"]
+    print(f"the request read by the deposed leader was answered {answered_s:.1f}s later")
+    replica.wait_idle()
+    assert replica.r.xpending(replica.streams.requests, GROUP)["pending"] == 0
+
+
+def test_a_resumed_leader_takes_no_request_under_load(replica, tiny_model):
+    """The issue's scenario: requests keep arriving while the paused leader resumes; none is
+    taken by it, so each is answered by the new leader, exactly."""
+    expected = _expected(tiny_model)
+    _, first, second = _start_pair(replica)
+    first.p.send_signal(signal.SIGSTOP)
+    second.wait_for("leader_elected", TTL_S + MARGIN_S)
+    sent = []
+    for i in range(30):  # before, while and after it resumes
+        if i == 10:
+            first.p.send_signal(signal.SIGCONT)
+        req_id = f"load{i}"
+        replica.submit(req_id, PROMPTS[f"r{i % 6}"], MAX_TOKENS)
+        sent.append(req_id)
+        time.sleep(0.01)
+    assert first.p.wait(timeout=20) != 0
+    replica.wait_finished(sent, timeout=120)
+    assert all(replica.finished[r] is None for r in sent), replica.finished
+    assert {r: replica.tokens[r] for r in sent} == {
+        r: expected[f"r{i % 6}"] for i, r in enumerate(sent)
+    }
     replica.wait_idle()
