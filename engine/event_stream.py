@@ -8,6 +8,10 @@ stream from that id on. Periodic snapshots never stall the engine loop: they run
 task that packs the mirror in chunks, yielding between them, while batches published meanwhile
 go to an overlay that is merged back when the snapshot is written.
 
+Each entry also carries its sequence number (field `seq`), the batch's number over ZMQ
+(`engine/zmq_events.py`): a ledger that starts reads the last entry's and goes on from it, so the
+sequence runs on across restarts and failovers, and the snapshot records the number of its entry.
+
 The stream is capped by memory, not by a count: entries vary in size (a batch of one removal
 is tens of bytes, a long prefill's stored blocks kilobytes), so the MAXLEN of each XADD is the
 budget divided by the average entry seen so far (payload plus Redis' per-entry overhead).
@@ -19,6 +23,7 @@ import asyncio
 import logging
 import time
 from array import array
+from collections.abc import Awaitable, Callable
 from itertools import islice
 from typing import cast
 
@@ -29,6 +34,7 @@ from ledger.events import AnyKVCacheEvent, KVEventBatch, encode_batch
 from ledger.hashing import to_event_hash
 from services.events.runs import (
     HASHES_FIELD,
+    SEQ_FIELD,
     Run,
     apply_runs,
     batch_runs,
@@ -46,6 +52,7 @@ ENTRY_OVERHEAD_BYTES = 110
 MIN_MAXLEN = 1000  # subscribers catching up need some history, whatever the budget
 
 log = logging.getLogger(__name__)
+Entry = tuple[bytes, dict[bytes, bytes]]
 
 # Entries packed between two yields to the loop: about 2 ms of array building on a slow core.
 SNAPSHOT_CHUNK = 50_000
@@ -64,8 +71,13 @@ class KVEventStream:
         snapshot_interval_s: float,
         block_size: int,
         hash_algo: str,
+        xadd: Callable[[str, dict[bytes, bytes], int], Awaitable[bytes]] | None = None,
     ) -> None:
         self.r = r
+        # How an entry is appended: (stream, fields, maxlen) -> its id. The engine's appends
+        # are fenced by its lease token (Leadership.xadd_fenced): a deposed ledger appends
+        # nothing, so nothing goes out over ZMQ either.
+        self._xadd = xadd or self._plain_xadd
         self.streams = streams
         self.max_bytes = max_bytes
         self._entry_bytes = 0  # payload bytes of every entry published, for the average
@@ -73,6 +85,9 @@ class KVEventStream:
         self.block_size = block_size
         self.hash_algo = hash_algo
         self.last_id: bytes | None = None
+        self.seq = -1  # the sequence number of entry last_id (-1: none yet)
+        # Called with (seq, batch) once the entry is on the stream (the ZMQ publisher).
+        self.on_published: Callable[[int, bytes], object] | None = None
         self.published = 0
         self.batches = 0
         self.snapshots_written = 0
@@ -98,17 +113,20 @@ class KVEventStream:
         batch = encode_batch(KVEventBatch(time.time(), events))
         runs = batch_runs(events)
         hashes = encode_runs(runs)
-        self.last_id = cast(
-            bytes,
-            await self.r.xadd(
-                self.streams.events,
-                {b"batch": batch, HASHES_FIELD: hashes},
-                maxlen=self.maxlen,
-                approximate=True,
-            ),
+        seq = self.seq + 1
+        seq_bytes = b"%d" % seq
+        self.last_id = await self._xadd(
+            self.streams.events,
+            {b"batch": batch, HASHES_FIELD: hashes, SEQ_FIELD: seq_bytes},
+            self.maxlen,
         )
+        self.seq = seq
+        if self.on_published is not None:
+            self.on_published(seq, batch)
         self.batches += 1
-        self._entry_bytes += len(batch) + len(HASHES_FIELD) + len(hashes)
+        self._entry_bytes += (
+            len(batch) + len(HASHES_FIELD) + len(hashes) + len(SEQ_FIELD) + len(seq_bytes)
+        )
         self.published += len(events)
         if self._synced:
             self._apply(runs)
@@ -123,6 +141,37 @@ class KVEventStream:
             self._last_snapshot_start = now
             self._snapshot_task = asyncio.create_task(self._snapshot_in_background(epoch))
         return len(events)
+
+    async def _plain_xadd(self, stream: str, fields: dict[bytes, bytes], maxlen: int) -> bytes:
+        entry_id = await self.r.xadd(stream, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+        return cast(bytes, entry_id)
+
+    async def resume(self, history: int = 0) -> list[tuple[int, bytes]]:
+        """Go on with the sequence of the stream's last entry (a restart, a failover); return up
+        to `history` of the last entries as (seq, batch), oldest first, for the ZMQ replay
+        buffer: those whose numbers run without a gap up to the last one."""
+        newest = cast(list[Entry], await self.r.xrevrange(self.streams.events, count=1))
+        seq = _seq_of(newest[0][1]) if newest else None
+        self.seq = -1 if seq is None else seq
+        kept: list[tuple[int, bytes]] = []
+        end = b"+"
+        while seq is not None and len(kept) < history:
+            entries = cast(
+                list[Entry],
+                await self.r.xrevrange(
+                    self.streams.events, max=end, count=min(history - len(kept), 1000)
+                ),
+            )
+            for _, fields in entries:
+                if _seq_of(fields) != self.seq - len(kept) or b"batch" not in fields:
+                    kept.reverse()
+                    return kept
+                kept.append((self.seq - len(kept), fields[b"batch"]))
+            if not entries:
+                break
+            end = b"(" + entries[-1][0]
+        kept.reverse()
+        return kept
 
     def sync_from_pool(self, pool: BlockPool) -> None:
         """Rebuild the mirror from the pool itself (a scan of every block: start-up only)."""
@@ -152,9 +201,9 @@ class KVEventStream:
                     known = 0 if self._cleared else self.counts.get(h, 0)
                 overlay[h] = max(known + delta, 0)
 
-    def _freeze(self) -> tuple[dict[int, int], str]:
+    def _freeze(self) -> tuple[dict[int, int], str, int]:
         self._overlay, self._cleared = {}, False
-        return self.counts, (self.last_id or b"0-0").decode()
+        return self.counts, (self.last_id or b"0-0").decode(), self.seq
 
     def _thaw(self) -> None:
         overlay, self._overlay = self._overlay, None
@@ -171,7 +220,7 @@ class KVEventStream:
 
     async def _snapshot_in_background(self, epoch: str) -> None:
         try:
-            counts, stream_id = self._freeze()
+            counts, stream_id, seq = self._freeze()
             try:
                 hashes, values = array("Q"), array("I")
                 keys, nums = iter(counts.keys()), iter(counts.values())
@@ -184,13 +233,13 @@ class KVEventStream:
                     await asyncio.sleep(0)
             finally:
                 self._thaw()  # the arrays are a copy: the mirror may change again
-            await self._write(hashes, values, stream_id, epoch)
+            await self._write(hashes, values, stream_id, epoch, seq)
         except aioredis.RedisError as exc:
             log.warning("kv_snapshot_failed error=%s", exc)
         finally:
             self._snapshot_task = None
 
-    def _encode(self, hashes: array, values: array, stream_id: str, epoch: str) -> bytes:
+    def _encode(self, hashes: array, values: array, stream_id: str, epoch: str, seq: int) -> bytes:
         hash_array, count_array = pack_arrays(hashes, values)
         snapshot = KVSnapshot(
             epoch=epoch,
@@ -200,13 +249,16 @@ class KVEventStream:
             written_at=time.time(),
             hash_array=hash_array,
             count_array=count_array,
+            seq=None if seq < 0 else seq,
         )
         return encode_snapshot(snapshot)
 
-    async def _write(self, hashes: array, values: array, stream_id: str, epoch: str) -> None:
+    async def _write(
+        self, hashes: array, values: array, stream_id: str, epoch: str, seq: int
+    ) -> None:
         # The arrays are this call's own copies, so packing and encoding (memory copies of
         # ~12 MB at 1M blocks) run in a thread while the loop steps.
-        data = await asyncio.to_thread(self._encode, hashes, values, stream_id, epoch)
+        data = await asyncio.to_thread(self._encode, hashes, values, stream_id, epoch, seq)
         key = self.streams.events_snapshot
         if len(data) <= SNAPSHOT_PART_BYTES:
             await self.r.set(key, data)
@@ -226,5 +278,15 @@ class KVEventStream:
             await asyncio.gather(self._snapshot_task, return_exceptions=True)
         self.sync_from_pool(pool)
         counts, stream_id = self.counts, (self.last_id or b"0-0").decode()
-        await self._write(array("Q", counts.keys()), array("I", counts.values()), stream_id, epoch)
+        await self._write(
+            array("Q", counts.keys()), array("I", counts.values()), stream_id, epoch, self.seq
+        )
         self._last_snapshot_start = time.monotonic()
+
+
+def _seq_of(fields: dict[bytes, bytes]) -> int | None:
+    raw = fields.get(SEQ_FIELD)
+    try:
+        return None if raw is None else int(raw)
+    except ValueError:
+        return None

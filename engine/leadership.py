@@ -59,7 +59,7 @@ _FENCED_XADD = """
 if tonumber(redis.call('GET', KEYS[2]) or '0') > tonumber(ARGV[1]) then
     return false
 end
-return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[4])
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -88,6 +88,11 @@ class Leadership:
 
     def held(self) -> bool:
         return not self._lost and time.monotonic() < self._valid_until
+
+    @property
+    def lost(self) -> bool:
+        """A successor holds the lease: this ledger never writes again."""
+        return self._lost
 
     async def ensure(self) -> None:
         """Return once the lease is surely ours; LeadershipLost if another ledger holds it.
@@ -143,8 +148,13 @@ class Leadership:
         """XADD to a stream of this replica (same hash tag as the token key) unless a later
         leader drew a token; LeadershipLost then. The lease check before a write can pass just
         before the process is paused; this check cannot, being the write itself."""
+        return await self.xadd_fenced(stream, {field: value}, maxlen)
+
+    async def xadd_fenced(self, stream: str, fields: dict[bytes, bytes], maxlen: int) -> bytes:
+        """`append_fenced` of an entry of several fields (a KV-events batch)."""
+        flat = [part for pair in fields.items() for part in pair]
         entry_id = await self.r.eval(
-            _FENCED_XADD, 2, stream, self.token_key, self.token, maxlen, field, value
+            _FENCED_XADD, 2, stream, self.token_key, self.token, maxlen, *flat
         )
         if entry_id is None:
             self._lose(f"a later leader than fence {self.token} holds {self.key}")

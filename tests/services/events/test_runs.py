@@ -98,13 +98,14 @@ async def test_published_entries_keep_vllms_bytes_and_add_the_runs(redis_url, mo
             await stream.publish(vllm_batch.events, BlockPool(4, enable_caching=True), "e")
         monkeypatch.undo()
         entries = await r.xrange(streams.events)
-        assert [sorted(fields) for _, fields in entries] == [[b"batch", b"hashes"]] * 2
+        assert [sorted(fields) for _, fields in entries] == [[b"batch", b"hashes", b"seq"]] * 2
+        assert [fields[b"seq"] for _, fields in entries] == [b"0", b"1"]
         assert [fields[b"batch"] for _, fields in entries] == [VLLM_SCENARIO_BATCH] * 2
         scenario = decode_batch(VLLM_SCENARIO_BATCH).events
         assert decode_runs(entries[0][1][b"hashes"]) == batch_runs(scenario)
         assert [kind for kind, _ in batch_runs(scenario)] == [STORED, REMOVED, STORED]
         # The memory budget counts the extra field.
-        total = sum(len(f[b"batch"]) + len(HASHES_FIELD) + len(f[b"hashes"]) for _, f in entries)
+        total = sum(len(b"".join(f)) + len(b"".join(f.values())) - len(b"batch") for _, f in entries)
         assert stream._entry_bytes == total
     finally:
         await r.delete(streams.events, streams.events_snapshot)
