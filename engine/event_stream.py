@@ -111,27 +111,36 @@ class KVEventStream:
         if not events:
             return 0
         batch = encode_batch(KVEventBatch(time.time(), events))
-        runs = batch_runs(events)
+        synced = self._synced
+        await self.append(batch, batch_runs(events), epoch, apply=synced)
+        if not synced:  # the pool already holds these events' effects
+            self.sync_from_pool(pool)
+        self.published += len(events)
+        return len(events)
+
+    async def append(
+        self,
+        batch: bytes,
+        runs: list[Run],
+        epoch: str,
+        extra: dict[bytes, bytes] | None = None,
+        *,
+        apply: bool = True,
+    ) -> bytes:
+        """Append one encoded batch with its runs (applied to the mirror unless it is already
+        in step) and any `extra` fields; returns the entry id."""
         hashes = encode_runs(runs)
         seq = self.seq + 1
         seq_bytes = b"%d" % seq
-        self.last_id = await self._xadd(
-            self.streams.events,
-            {b"batch": batch, HASHES_FIELD: hashes, SEQ_FIELD: seq_bytes},
-            self.maxlen,
-        )
-        self.seq = seq
+        fields = {b"batch": batch, HASHES_FIELD: hashes, SEQ_FIELD: seq_bytes, **(extra or {})}
+        entry_id = await self._xadd(self.streams.events, fields, self.maxlen)
+        self.last_id, self.seq = entry_id, seq
         if self.on_published is not None:
             self.on_published(seq, batch)
         self.batches += 1
-        self._entry_bytes += (
-            len(batch) + len(HASHES_FIELD) + len(hashes) + len(SEQ_FIELD) + len(seq_bytes)
-        )
-        self.published += len(events)
-        if self._synced:
+        self._entry_bytes += sum(len(k) + len(v) for k, v in fields.items()) - len(b"batch")
+        if apply:
             self._apply(runs)
-        else:  # the pool already holds these events' effects
-            self.sync_from_pool(pool)
         # The interval runs from the start of the last snapshot, so a slow write does not
         # stretch it; a snapshot still in flight is never doubled up.
         now = time.monotonic()
@@ -140,7 +149,7 @@ class KVEventStream:
         ):
             self._last_snapshot_start = now
             self._snapshot_task = asyncio.create_task(self._snapshot_in_background(epoch))
-        return len(events)
+        return entry_id
 
     async def _plain_xadd(self, stream: str, fields: dict[bytes, bytes], maxlen: int) -> bytes:
         entry_id = await self.r.xadd(stream, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
@@ -172,6 +181,11 @@ class KVEventStream:
             end = b"(" + entries[-1][0]
         kept.reverse()
         return kept
+
+    def load(self, counts: dict[int, int], last_id: bytes | None) -> None:
+        """Take `counts` as the mirror as of entry `last_id` (a bridge resuming its stream)."""
+        assert self._overlay is None, "no snapshot may be reading the mirror"
+        self.counts, self.last_id, self._synced = counts, last_id, True
 
     def sync_from_pool(self, pool: BlockPool) -> None:
         """Rebuild the mirror from the pool itself (a scan of every block: start-up only)."""
@@ -272,11 +286,13 @@ class KVEventStream:
             await self.r.rename(building, key)
         self.snapshots_written += 1
 
-    async def write_snapshot(self, pool: BlockPool, epoch: str) -> None:
-        """Write the snapshot now (start-up, a new epoch, shutdown), resynced from the pool."""
+    async def write_snapshot(self, pool: BlockPool | None, epoch: str) -> None:
+        """Write the snapshot now (start-up, a new epoch, shutdown), resynced from the pool
+        (None: from the mirror as it is, for a bridge, which has no pool)."""
         if self._snapshot_task is not None:
             await asyncio.gather(self._snapshot_task, return_exceptions=True)
-        self.sync_from_pool(pool)
+        if pool is not None:
+            self.sync_from_pool(pool)
         counts, stream_id = self.counts, (self.last_id or b"0-0").decode()
         await self._write(
             array("Q", counts.keys()), array("I", counts.values()), stream_id, epoch, self.seq

@@ -502,6 +502,47 @@ class IndexerConfig(CommonConfig, HttpServerConfig):
     )
 
 
+@dataclass
+class BridgeConfig(CommonConfig, EngineShape):
+    """`kvledger bridge`: one vLLM server's ZMQ KV events onto a replica's Redis stream."""
+
+    endpoint: str | None = _opt(
+        "KVLEDGER_BRIDGE_ENDPOINT",
+        None,
+        "the vLLM server's KV-events PUB socket to follow, e.g. tcp://vllm-host:5557 "
+        "(its --kv-events-config endpoint, as a client dials it; required)",
+    )
+    replay_endpoint: str | None = _opt(
+        "KVLEDGER_BRIDGE_REPLAY_ENDPOINT",
+        None,
+        "its replay (ROUTER) socket, e.g. tcp://vllm-host:5558 (default none: a gap resets the "
+        "replica's view instead of being filled)",
+    )
+    topic: str = _opt(None, "", "the publisher's topic (its --kv-events-config topic)")
+    hash_algo: str = _opt(
+        "KVLEDGER_HASH_ALGO",
+        "sha256",
+        "the vLLM server's prefix-caching hash algorithm, for routers that hash prompts: "
+        "sha256, sha256_cbor, xxhash or xxhash_cbor",
+        lambda text: _choice(text, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
+        flags=("--hash-algo", "--prefix-caching-hash-algo"),
+    )
+    served_model_name: str = _opt(
+        "KVLEDGER_MODEL_NAME", "vllm", "the model name the vLLM server serves",
+        flags=("--served-model-name",),
+    )  # fmt: skip
+    snapshot_interval_s: float = _opt(None, 1.0, "seconds between KV-event snapshots", float)
+    leader_ttl_s: float = _opt(
+        None, 5.0, "seconds the bridge's lease on the replica lasts unrenewed", float
+    )
+    kv_events_max_mb: float = _opt(
+        "KVLEDGER_KV_EVENTS_MAX_MB",
+        256.0,
+        "Redis memory the KV-events stream may take, in MB",
+        float,
+    )
+
+
 def flag_of(f: Field[Any]) -> str:
     """The flag a config field is set with (vLLM's name first where it has one)."""
     return (f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),))[0]

@@ -45,6 +45,8 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_WORKER_ID": "this worker's id (default: host name and pid)",
     "KVLEDGER_KV_EVENTS_MAX_MB": "Redis memory the KV-events stream may take, in MB (default 256)",
     "KVLEDGER_KV_EVENTS_CONFIG": "vLLM's --kv-events-config JSON: also publish the KV events over ZMQ (unset: Redis only)",
+    "KVLEDGER_BRIDGE_ENDPOINT": "kvledger bridge: the vLLM server's KV-events PUB endpoint to follow, e.g. tcp://vllm-host:5557",
+    "KVLEDGER_BRIDGE_REPLAY_ENDPOINT": "kvledger bridge: the vLLM server's KV-events replay endpoint, e.g. tcp://vllm-host:5558",
     "KVLEDGER_METRICS_HOST": "address of the ledger's /metrics and /health (default 127.0.0.1; 0.0.0.0: every interface)",
     "KVLEDGER_METRICS_PORT": "port of the ledger's Prometheus endpoint (default 9100, 0 = off)",
     "KVLEDGER_NO_WORKER_TIMEOUT": "seconds the ledger holds requests with no live worker before failing them (default 60, 0 = never)",
