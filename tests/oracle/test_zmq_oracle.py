@@ -8,18 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import subprocess
 import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 
+from kvledger.bridge import SOURCE_SEQ_FIELD, runs_of
+from ledger.events import decode_batch
 from services.config import KVEventsConfig
+from services.events.runs import apply_runs
+from services.events.subscriber import KVEventSubscriber
+from services.transport import redis_client, redis_streams
 from services.transport.redis_server import free_port
 from tests.harness.fixtures import redis_url, tiny_model
+from tests.harness.processes import ROOT, ServiceProcess
 from tests.harness.stack import Stack
 from tests.oracle.conftest import HERE
 
@@ -150,3 +159,119 @@ async def test_a_vllm_subscriber_reads_the_ledgers_zmq_output_as_the_redis_strea
         assert summaries["late"]["first"] == 0 and summaries["late"]["replays"] >= 1
     finally:
         await stack.stop()
+
+
+# ---------------------------------------------------------------------- kvledger bridge
+
+
+def bridge_process(url: str, prefix: str, ports: tuple[int, int], log: Path) -> ServiceProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEDGER_")}
+    env.update(
+        KVLEDGER_REDIS_URL=url, KVLEDGER_STREAM_PREFIX=prefix, KVLEDGER_REPLICA="vllm-0",
+        KVLEDGER_BRIDGE_ENDPOINT=f"tcp://127.0.0.1:{ports[0]}",
+        KVLEDGER_BRIDGE_REPLAY_ENDPOINT=f"tcp://127.0.0.1:{ports[1]}",
+        KVLEDGER_LOG_FORMAT="json", PYTHONPATH=str(ROOT),
+    )  # fmt: skip
+    return ServiceProcess("bridge", env, log_path=log).start()
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def stream_entries(url: str, prefix: str) -> list[dict[bytes, bytes]]:
+    client = redis_client.connect_sync(url)
+    try:
+        return [fields for _, fields in client.xrange(f"{prefix}:{{vllm-0}}:kv-events")]
+    finally:
+        client.close()
+
+
+def last_source_seq(url: str, prefix: str) -> int | None:
+    client = redis_client.connect_sync(url)
+    try:
+        last = client.xrevrange(f"{prefix}:{{vllm-0}}:kv-events", count=1)
+    finally:
+        client.close()
+    if not last or SOURCE_SEQ_FIELD not in last[0][1]:
+        return None
+    return int(last[0][1][SOURCE_SEQ_FIELD])
+
+
+@pytest.mark.parametrize(
+    ("rate", "batches"),
+    [pytest.param(4_000, 240, id="4k-events-per-s"),
+     pytest.param(20_000, 2_000, id="20k-events-per-s", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_a_bridge_killed_mid_stream_loses_and_repeats_no_batch_of_vllms_publisher(
+    redis_url, vllm_zmq, tmp_path, rate, batches
+):
+    """vLLM's own ZmqEventPublisher sends random batches of 100 events at `rate` events/s
+    (buffer_steps 10,000); the bridge is killed with SIGKILL part-way and started again. The
+    replica's stream then holds every batch once, in order, vLLM's bytes unchanged, and the
+    index read from it (snapshot or stream) is the one built from the batches directly."""
+    ports = free_port(), free_port()
+    prefix = f"o{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "bridge.log"
+    out = tmp_path / "published.msgpack"
+    bridge = bridge_process(redis_url, prefix, ports, log)
+    wait_for(lambda: bridge.records("bridge_following"), 60, f"bridge start:\n{bridge.output()}")
+    publishing = threading.Thread(
+        target=lambda: results.append(vllm_zmq.call({
+            "cmd": "publish", "endpoint": f"tcp://*:{ports[0]}",
+            "replay_endpoint": f"tcp://*:{ports[1]}", "batch_events": 100, "batches": batches,
+            "rate": rate, "buffer_steps": 10_000, "seed": 7, "linger_s": 15.0, "out": str(out),
+        }, timeout=600))
+    )  # fmt: skip
+    results: list[dict] = []
+    publishing.start()
+    total_s = batches * 100 / rate
+    wait_for(lambda: (last_source_seq(redis_url, prefix) or 0) > batches // 3, 120,
+             f"the bridge forwards nothing:\n{bridge.output()}")  # fmt: skip
+    bridge.kill9()
+    killed_at = last_source_seq(redis_url, prefix)
+    time.sleep(min(2.0, total_s / 4))  # batches go by with no bridge
+    bridge = bridge_process(redis_url, prefix, ports, log)
+    try:
+        wait_for(lambda: last_source_seq(redis_url, prefix) == batches - 1, 300,
+                 f"the restarted bridge did not catch up:\n{bridge.output()}")  # fmt: skip
+        resumed = bridge.records("bridge_following")[0]
+        assert resumed["resumed_after"] == killed_at
+        assert bridge.records("bridge_reset") == []
+    finally:
+        bridge.stop()
+        publishing.join()
+    assert results and results[0]["batches"] == batches, results
+    published = [payload for _, payload in msgpack.unpackb(out.read_bytes())]
+    entries = stream_entries(redis_url, prefix)
+    # The first start's AllBlocksCleared, then each of vLLM's batches once, in order, unchanged.
+    assert SOURCE_SEQ_FIELD not in entries[0]
+    assert [int(f[SOURCE_SEQ_FIELD]) for f in entries[1:]] == list(range(batches))
+    assert [f[b"batch"] for f in entries[1:]] == published
+    assert [int(f[b"seq"]) for f in entries] == list(range(len(entries)))
+    expected = direct_index(published)
+    assert len(expected) > 200
+    asyncio.run(check_indexes(redis_url, prefix, expected))
+
+
+def direct_index(payloads: list[bytes]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for payload in payloads:
+        apply_runs(counts, runs_of(decode_batch(payload)))
+    return counts
+
+
+async def check_indexes(url: str, prefix: str, expected: dict[int, int]) -> None:
+    r = redis_streams.connect(url)
+    try:
+        for mode in ("start", "snapshot"):
+            sub = KVEventSubscriber(r, prefix, replica="vllm-0")
+            await sub.start(mode)
+            while await sub.poll(block_ms=None):
+                pass
+            assert dict(sub.index.counts) == expected, mode
+    finally:
+        await r.aclose()

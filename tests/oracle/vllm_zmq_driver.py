@@ -201,7 +201,7 @@ class RandomBatches:
 
     def event(self) -> Any:
         roll = self.rng.random()
-        if roll < 0.002:
+        if roll < 0.0002:
             self.stored.clear()
             return AllBlocksCleared()
         if roll < 0.35 and self.stored:
