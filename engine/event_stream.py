@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from array import array
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from itertools import islice
 from typing import cast
 
@@ -72,12 +72,15 @@ class KVEventStream:
         block_size: int,
         hash_algo: str,
         xadd: Callable[[str, dict[bytes, bytes], int], Awaitable[bytes]] | None = None,
+        xadd_many: Callable[[str, list[dict[bytes, bytes]], int], Awaitable[list[bytes]]]
+        | None = None,
     ) -> None:
         self.r = r
         # How an entry is appended: (stream, fields, maxlen) -> its id. The engine's appends
         # are fenced by its lease token (Leadership.xadd_fenced): a deposed ledger appends
         # nothing, so nothing goes out over ZMQ either.
         self._xadd = xadd or self._plain_xadd
+        self._xadd_many = xadd_many or self._plain_xadd_many
         self.streams = streams
         self.max_bytes = max_bytes
         self._entry_bytes = 0  # payload bytes of every entry published, for the average
@@ -129,18 +132,53 @@ class KVEventStream:
     ) -> bytes:
         """Append one encoded batch with its runs (applied to the mirror unless it is already
         in step) and any `extra` fields; returns the entry id."""
-        hashes = encode_runs(runs)
-        seq = self.seq + 1
-        seq_bytes = b"%d" % seq
-        fields = {b"batch": batch, HASHES_FIELD: hashes, SEQ_FIELD: seq_bytes, **(extra or {})}
+        fields = self._fields(batch, runs, self.seq + 1, extra)
         entry_id = await self._xadd(self.streams.events, fields, self.maxlen)
-        self.last_id, self.seq = entry_id, seq
+        self._appended(batch, runs, fields, entry_id, apply)
+        self._maybe_snapshot(epoch)
+        return entry_id
+
+    async def append_many(
+        self, entries: Sequence[tuple[bytes, list[Run], dict[bytes, bytes] | None]], epoch: str
+    ) -> None:
+        """`append` of several batches in one round trip (a bridge forwarding a backlog)."""
+        if not entries:
+            return
+        fields = [
+            self._fields(batch, runs, self.seq + 1 + i, extra)
+            for i, (batch, runs, extra) in enumerate(entries)
+        ]
+        ids = await self._xadd_many(self.streams.events, fields, self.maxlen)
+        for (batch, runs, _), entry_fields, entry_id in zip(entries, fields, ids, strict=True):
+            self._appended(batch, runs, entry_fields, entry_id, True)
+        self._maybe_snapshot(epoch)
+
+    @staticmethod
+    def _fields(
+        batch: bytes, runs: list[Run], seq: int, extra: dict[bytes, bytes] | None
+    ) -> dict[bytes, bytes]:
+        fields = {b"batch": batch, HASHES_FIELD: encode_runs(runs), SEQ_FIELD: b"%d" % seq}
+        if extra:
+            fields.update(extra)
+        return fields
+
+    def _appended(
+        self,
+        batch: bytes,
+        runs: list[Run],
+        fields: dict[bytes, bytes],
+        entry_id: bytes,
+        apply: bool,
+    ) -> None:
+        self.last_id, self.seq = entry_id, self.seq + 1
         if self.on_published is not None:
-            self.on_published(seq, batch)
+            self.on_published(self.seq, batch)
         self.batches += 1
         self._entry_bytes += sum(len(k) + len(v) for k, v in fields.items()) - len(b"batch")
         if apply:
             self._apply(runs)
+
+    def _maybe_snapshot(self, epoch: str) -> None:
         # The interval runs from the start of the last snapshot, so a slow write does not
         # stretch it; a snapshot still in flight is never doubled up.
         now = time.monotonic()
@@ -149,7 +187,14 @@ class KVEventStream:
         ):
             self._last_snapshot_start = now
             self._snapshot_task = asyncio.create_task(self._snapshot_in_background(epoch))
-        return entry_id
+
+    async def _plain_xadd_many(
+        self, stream: str, entries: list[dict[bytes, bytes]], maxlen: int
+    ) -> list[bytes]:
+        async with self.r.pipeline(transaction=False) as pipe:
+            for fields in entries:
+                pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+            return cast(list[bytes], await pipe.execute())
 
     async def _plain_xadd(self, stream: str, fields: dict[bytes, bytes], maxlen: int) -> bytes:
         entry_id = await self.r.xadd(stream, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]

@@ -160,6 +160,20 @@ class Leadership:
             self._lose(f"a later leader than fence {self.token} holds {self.key}")
         return cast(bytes, entry_id)
 
+    async def xadd_fenced_many(
+        self, stream: str, entries: list[dict[bytes, bytes]], maxlen: int
+    ) -> list[bytes]:
+        """`xadd_fenced` of several entries in one round trip (a pipeline of the fenced
+        script); LeadershipLost if a later leader drew a token before any of them."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for fields in entries:
+                flat = [part for pair in fields.items() for part in pair]
+                pipe.eval(_FENCED_XADD, 2, stream, self.token_key, self.token, maxlen, *flat)
+            ids = await pipe.execute()
+        if any(entry_id is None for entry_id in ids):
+            self._lose(f"a later leader than fence {self.token} holds {self.key}")
+        return cast(list[bytes], ids)
+
     async def renew_forever(self) -> None:
         """Extend the lease every third of its TTL; raise LeadershipLost once another holds it."""
         while True:

@@ -36,17 +36,16 @@ from engine.event_stream import KVEventStream
 from engine.leadership import Leadership
 from ledger.events import (
     AllBlocksCleared,
-    BlockStored,
     EventDecodeError,
     KVEventBatch,
-    decode_batch,
     encode_batch,
 )
 from observability import get_logger
 from services.config import BridgeConfig
 from services.environment import ConfigError
-from services.events.runs import HASHES_FIELD, Run, apply_runs, decode_runs
-from services.events.snapshot import CLEARED, REMOVED, STORED, decode_snapshot, snapshot_counts
+from services.events.runs import HASHES_FIELD, apply_runs, decode_runs
+from services.events.snapshot import CLEARED, decode_snapshot, snapshot_counts
+from services.events.subscriber import batch_hash_runs
 from services.events.zmq_follower import Batch, ZmqFollower
 from services.transport import redis_streams
 from services.wire.codec import encode
@@ -56,30 +55,7 @@ log = get_logger("kvledger.bridge")
 
 SOURCE_SEQ_FIELD = b"source_seq"
 STATUS_INTERVAL_S = 1.0
-
-
-def event_hash(h: int | bytes) -> int:
-    """A block hash as an index holds it: vLLM's int as is, its bytes form as vLLM converts it
-    to an int (the last 8 bytes, big-endian)."""
-    return h if isinstance(h, int) else int.from_bytes(h[-8:], "big")
-
-
-def runs_of(batch: KVEventBatch) -> list[Run]:
-    """The batch's runs of (kind, hashes), any hash form taken."""
-    runs: list[Run] = []
-    kind = -1
-    for event in batch.events:
-        if isinstance(event, AllBlocksCleared):
-            kind = CLEARED
-            runs.append((CLEARED, []))
-            continue
-        this = STORED if isinstance(event, BlockStored) else REMOVED
-        hashes = [event_hash(h) for h in event.block_hashes]
-        if kind != this:
-            kind = this
-            runs.append((this, []))
-        runs[-1][1].extend(hashes)
-    return runs
+MAX_GROUP = 256  # batches appended in one round trip at most
 
 
 async def serve(config: BridgeConfig) -> None:
@@ -105,6 +81,7 @@ class Bridge:
             r, self.streams, max_bytes=int(config.kv_events_max_mb * 1e6),
             snapshot_interval_s=config.snapshot_interval_s, block_size=config.block_size,
             hash_algo=config.hash_algo, xadd=self.leadership.xadd_fenced,
+            xadd_many=self.leadership.xadd_fenced_many,
         )  # fmt: skip
         self.follower = ZmqFollower(config.endpoint, config.replay_endpoint, config.topic)
         self.bridge_id = uuid.uuid4().hex[:12]
@@ -113,7 +90,6 @@ class Bridge:
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()  # set once following
         self.forwarded = 0  # batches appended
-        self.events_forwarded = 0
         self.undecodable = 0
         self.resets: list[str] = []
         self.resumed_at: int | None = None  # the publisher's sequence resumed after
@@ -142,15 +118,20 @@ class Bridge:
             while not self.stopping.is_set():
                 if lease.done():
                     lease.result()  # the lease went to another writer: stop loudly
+                group: list[Batch] = []
                 for item in await self.follower.poll(0.25):
                     if isinstance(item, Batch):
-                        await self._forward(item)
-                    else:
-                        log.warning(
-                            "bridge_reset", reason=item.reason, replica=self.streams.replica
-                        )
-                        self.resets.append(item.reason)
-                        await self._new_epoch(item.reason)
+                        group.append(item)
+                        if len(group) >= MAX_GROUP:
+                            await self._forward(group)
+                            group = []
+                        continue
+                    await self._forward(group)
+                    group = []
+                    log.warning("bridge_reset", reason=item.reason, replica=self.streams.replica)
+                    self.resets.append(item.reason)
+                    await self._new_epoch(item.reason)
+                await self._forward(group)
         finally:
             for task in (lease, status):
                 task.cancel()
@@ -163,18 +144,20 @@ class Bridge:
                 finally:
                     await self.leadership.release()
 
-    async def _forward(self, batch: Batch) -> None:
-        try:
-            decoded = decode_batch(batch.payload)
-        except EventDecodeError as exc:
-            # Stepped over, never guessed at: the index misses this batch's effect.
-            self.undecodable += 1
-            log.error("bridge_batch_undecodable", seq=batch.seq, error=str(exc))
-            return
-        extra = {SOURCE_SEQ_FIELD: b"%d" % batch.seq}
-        await self.events.append(batch.payload, runs_of(decoded), self.epoch, extra)
-        self.forwarded += 1
-        self.events_forwarded += len(decoded.events)
+    async def _forward(self, batches: list[Batch]) -> None:
+        """Append these batches, in order, in one round trip."""
+        entries = []
+        for batch in batches:
+            try:
+                runs = batch_hash_runs(batch.payload)
+            except EventDecodeError as exc:
+                # Stepped over, never guessed at: the index misses this batch's effect.
+                self.undecodable += 1
+                log.error("bridge_batch_undecodable", seq=batch.seq, error=str(exc))
+                continue
+            entries.append((batch.payload, runs, {SOURCE_SEQ_FIELD: b"%d" % batch.seq}))
+        await self.events.append_many(entries, self.epoch)
+        self.forwarded += len(entries)
 
     async def _new_epoch(self, reason: str) -> None:
         """The view of the replica starts over: AllBlocksCleared, then a fresh snapshot."""
@@ -218,7 +201,7 @@ class Bridge:
             for entry_id, fields in entries:
                 runs = decode_runs(fields[HASHES_FIELD]) if HASHES_FIELD in fields else None
                 if runs is None:
-                    runs = runs_of(decode_batch(fields[b"batch"]))
+                    runs = batch_hash_runs(fields[b"batch"])
                 apply_runs(counts, runs)
                 last_id = entry_id
             if len(entries) < 1000:

@@ -26,7 +26,8 @@ import zmq.asyncio
 
 END_OF_REPLAY = -1
 SUB_HWM = 100_000  # live batches held for a slow reader; past it ZMQ drops and replay fills in
-IDLE_CHECK_S = 1.0  # without a live batch for this long, ask the replay socket what was missed
+IDLE_CHECK_S = 1.0
+MAX_READ = 512  # without a live batch for this long, ask the replay socket what was missed
 
 
 class Batch(NamedTuple):
@@ -92,11 +93,17 @@ class ZmqFollower:
         if self.dealer is not None:
             poller.register(self.dealer, zmq.POLLIN)
         ready = dict(await poller.poll(int(timeout_s * 1000)))
+        # At most MAX_READ messages a socket per call: a backlog (a whole replay) is handed out
+        # in parts, so the caller's loop runs its other tasks (a lease renewal) in between.
         if self.dealer is not None and self.dealer in ready:
-            while await self.dealer.poll(0):
+            for _ in range(MAX_READ):
+                if not await self.dealer.poll(0):
+                    break
                 self._replayed(await self.dealer.recv_multipart())
         if self.sub in ready:
-            while await self.sub.poll(0):
+            for _ in range(MAX_READ):
+                if not await self.sub.poll(0):
+                    break
                 self._live(await self.sub.recv_multipart())
         if ready:
             self.last_activity = time.monotonic()

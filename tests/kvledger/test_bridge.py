@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from engine.zmq_events import ZmqEventPublisher
-from kvledger.bridge import SOURCE_SEQ_FIELD, Bridge, event_hash, runs_of
+from kvledger.bridge import SOURCE_SEQ_FIELD, Bridge
 from ledger.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,8 +26,7 @@ from ledger.events import (
     encode_batch,
 )
 from services.config import BridgeConfig, KVEventsConfig
-from services.events.runs import apply_runs
-from services.events.subscriber import KVEventSubscriber
+from services.events.subscriber import KVEventSubscriber, event_hash
 from services.events.zmq_follower import Batch, Reset, ZmqFollower
 from services.transport import redis_streams
 from services.transport.redis_server import free_port
@@ -66,9 +65,22 @@ class Batches:
 
 
 def direct_index(payloads: list[bytes]) -> dict[int, int]:
+    """The index built from the batches themselves, event by event (byte hashes turned into
+    ints by vLLM's own rule: int.from_bytes(digest, "big") & (2**64 - 1))."""
     counts: dict[int, int] = {}
     for payload in payloads:
-        apply_runs(counts, runs_of(decode_batch(payload)))
+        for event in decode_batch(payload).events:
+            if isinstance(event, AllBlocksCleared):
+                counts.clear()
+                continue
+            for h in event.block_hashes:
+                key = h if isinstance(h, int) else int.from_bytes(h, "big") & (2**64 - 1)
+                if isinstance(event, BlockStored):
+                    counts[key] = counts.get(key, 0) + 1
+                elif counts.get(key, 0) > 1:
+                    counts[key] -= 1
+                else:
+                    counts.pop(key, None)
     return counts
 
 

@@ -20,10 +20,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from kvledger.bridge import SOURCE_SEQ_FIELD, runs_of
-from ledger.events import decode_batch
+from kvledger.bridge import SOURCE_SEQ_FIELD
+from ledger.events import AllBlocksCleared, BlockStored, decode_batch
 from services.config import KVEventsConfig
-from services.events.runs import apply_runs
 from services.events.subscriber import KVEventSubscriber
 from services.transport import redis_client, redis_streams
 from services.transport.redis_server import free_port
@@ -258,9 +257,22 @@ def test_a_bridge_killed_mid_stream_loses_and_repeats_no_batch_of_vllms_publishe
 
 
 def direct_index(payloads: list[bytes]) -> dict[int, int]:
+    """The index built from the batches themselves, event by event (byte hashes turned into
+    ints by vLLM's own rule: int.from_bytes(digest, "big") & (2**64 - 1))."""
     counts: dict[int, int] = {}
     for payload in payloads:
-        apply_runs(counts, runs_of(decode_batch(payload)))
+        for event in decode_batch(payload).events:
+            if isinstance(event, AllBlocksCleared):
+                counts.clear()
+                continue
+            for h in event.block_hashes:
+                key = h if isinstance(h, int) else int.from_bytes(h, "big") & (2**64 - 1)
+                if isinstance(event, BlockStored):
+                    counts[key] = counts.get(key, 0) + 1
+                elif counts.get(key, 0) > 1:
+                    counts[key] -= 1
+                else:
+                    counts.pop(key, None)
     return counts
 
 

@@ -334,12 +334,11 @@ def publish(cmd: dict[str, Any]) -> dict[str, Any]:
     per_batch, total = cmd["batch_events"], cmd["batches"]
     interval = per_batch / cmd["rate"] if cmd.get("rate") else 0.0
     time.sleep(cmd.get("delay_s", 0.0))
-    published = []
+    built = [batches.batch(per_batch) for _ in range(total)]  # built before the clock runs
     started = time.perf_counter()
-    for i in range(total):
-        batch = batches.batch(per_batch)
+    for i, batch in enumerate(built):
+        batch.ts = time.time()
         publisher.publish(batch)
-        published.append((i, ENCODE(batch)))
         if interval:
             ahead = started + (i + 1) * interval - time.perf_counter()
             if ahead > 0:
@@ -350,6 +349,8 @@ def publish(cmd: dict[str, Any]) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     time.sleep(cmd.get("linger_s", 0.0))  # replay stays up for a late reader
     publisher.shutdown()
+    # publish() set each batch's data_parallel_rank: these are the bytes it sent.
+    published = [(i, ENCODE(batch)) for i, batch in enumerate(built)]
     with open(cmd["out"], "wb") as f:
         f.write(msgspec.msgpack.encode(published))
     return {"batches": total, "events": total * per_batch, "seconds": elapsed,
