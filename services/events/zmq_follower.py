@@ -13,7 +13,8 @@ lost for good (the replay buffer no longer holds them). After a Reset it starts 
 oldest batch the publisher still keeps. Every gap is filled by a replay that starts at the last
 batch applied and must return it byte for byte, so a publisher restarted while the follower was
 away (or while its subscription reconnected) is caught even when its new sequence is already
-past the old one. Without a replay endpoint a gap is a Reset.
+past the old one. Without a replay endpoint a gap is a Reset. A replay answer that stops coming
+(the publisher died mid-answer) is asked for again on a fresh socket after `replay_timeout_s`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import zmq.asyncio
 END_OF_REPLAY = -1
 SUB_HWM = 100_000  # live batches held for a slow reader; past it ZMQ drops and replay fills in
 IDLE_CHECK_S = 1.0
+# A replay answer that stops coming (the publisher restarted or went away mid-answer) is asked
+# for again, on a fresh socket, after this long without a message of it.
+REPLAY_TIMEOUT_S = 5.0
 MAX_READ = 512  # without a live batch for this long, ask the replay socket what was missed
 
 
@@ -51,11 +55,14 @@ class ZmqFollower:
         *,
         context: zmq.asyncio.Context | None = None,
         idle_check_s: float = IDLE_CHECK_S,
+        replay_timeout_s: float = REPLAY_TIMEOUT_S,
     ) -> None:
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.topic = topic.encode()
         self.ctx = context or zmq.asyncio.Context.instance()
         self.idle_check_s = idle_check_s
+        self.replay_timeout_s = replay_timeout_s
+        self.replay_heard = time.monotonic()  # when the request was sent or last answered
         self.sub: zmq.asyncio.Socket | None = None
         self.dealer: zmq.asyncio.Socket | None = None
         self.last: tuple[int, bytes] | None = None  # the last batch handed out (or resumed at)
@@ -67,7 +74,7 @@ class ZmqFollower:
         self.last_live: int | None = None
         self.last_activity = time.monotonic()
         self.out: list[Item] = []
-        self.replays = self.resets = self.live = 0
+        self.replays = self.resets = self.live = self.replay_retries = 0
 
     def open(self, resume: tuple[int, bytes] | None = None) -> ZmqFollower:
         """Connect; `resume` is the (seq, payload) of the last batch applied before (a restarted
@@ -76,10 +83,7 @@ class ZmqFollower:
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self.sub.setsockopt(zmq.RCVHWM, SUB_HWM)
         self.sub.connect(self.endpoint)
-        if self.replay_endpoint is not None:
-            self.dealer = self.ctx.socket(zmq.DEALER)
-            self.dealer.setsockopt(zmq.RCVHWM, 0)
-            self.dealer.connect(self.replay_endpoint)
+        self._connect_replay()
         self.last = resume
         self.expect = None if resume is None else resume[0] + 1
         self._catch_up()
@@ -105,6 +109,13 @@ class ZmqFollower:
                 if not await self.sub.poll(0):
                     break
                 self._live(await self.sub.recv_multipart())
+        if self.dealer is not None and self.dealer in ready:
+            self.replay_heard = time.monotonic()
+        if self.replaying and time.monotonic() - self.replay_heard >= self.replay_timeout_s:
+            self.replay_retries += 1
+            self._connect_replay()
+            self.discarding = False  # (after a Reset the last batch is None: from 0)
+            self._catch_up()
         if ready:
             self.last_activity = time.monotonic()
         elif (
@@ -119,6 +130,15 @@ class ZmqFollower:
         out, self.out = self.out, []
         return out
 
+    def _connect_replay(self) -> None:
+        if self.replay_endpoint is None:
+            return
+        if self.dealer is not None:
+            self.dealer.close(linger=0)  # a late answer to the old request goes nowhere
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.RCVHWM, 0)
+        self.dealer.connect(self.replay_endpoint)
+
     def close(self) -> None:
         for sock in (self.sub, self.dealer):
             if sock is not None:
@@ -130,6 +150,7 @@ class ZmqFollower:
         assert self.dealer is not None
         self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
         self.replaying, self.verify = True, verify
+        self.replay_heard = time.monotonic()
         self.replays += 1
 
     def _catch_up(self) -> None:

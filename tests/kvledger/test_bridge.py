@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+import zmq
 
 from engine.zmq_events import ZmqEventPublisher
 from kvledger.bridge import SOURCE_SEQ_FIELD, Bridge
@@ -355,3 +356,26 @@ async def test_one_writer_per_replica(redis_url, env):
     finally:
         await second.stop()
         await first.stop()
+
+
+async def test_a_replay_answer_that_never_comes_is_asked_for_again(env):
+    _, _, publisher = env
+    publisher.close()  # a publisher that takes the request and dies before it answers
+    hung = zmq.Context.instance().socket(zmq.ROUTER)
+    hung.bind(f"tcp://*:{publisher.ports[1]}")
+    follower = ZmqFollower(f"tcp://127.0.0.1:{publisher.ports[0]}",
+                           f"tcp://127.0.0.1:{publisher.ports[1]}", "kv",
+                           replay_timeout_s=0.5).open()  # fmt: skip
+    try:
+        assert hung.poll(5000) and len(hung.recv_multipart()) == 3  # the request, unanswered
+        hung.close(linger=0)
+        publisher.start()  # the restarted publisher, same endpoints
+        publisher.publish(b"a", live=False)
+        got: list = []
+        deadline = time.monotonic() + 10
+        while Batch(0, b"a") not in got:
+            assert time.monotonic() < deadline, got
+            got.extend(await follower.poll(0.1))
+        assert follower.replay_retries >= 1
+    finally:
+        follower.close()
