@@ -329,7 +329,9 @@ async def test_the_ledger_publishes_the_streams_batches_over_zmq_and_a_successor
         assert [seq for seq, _ in on_stream] == list(range(len(on_stream)))
         live = await asyncio.to_thread(sub.drain)
         # Live: every batch after the subscription, frame for frame; replay: all of them.
-        assert [[b"kv@r0@tiny", s.to_bytes(8, "big"), b] for s, b in on_stream[-len(live):]] == live
+        assert [
+            [b"kv@r0@tiny", s.to_bytes(8, "big"), b] for s, b in on_stream[-len(live) :]
+        ] == live
         assert len(live) >= len(on_stream) - 1  # at most the start-up clear came before it
         assert await zmq_batches(publisher.replay_endpoint or "", 0) == on_stream
         sub.close()
