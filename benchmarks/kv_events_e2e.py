@@ -14,6 +14,15 @@ cut to `--legacy-polls` polls, its rate being flat) and the subscriber this work
 read path was tuned (msgspec into the full event structs, the Counter updated per event, 256
 entries per XREAD), both kept below; and for the checkpoint, this subscriber as it was before
 its log held index operations (every applied batch logged whole).
+
+`--zmq` adds the same batches over ZMQ as vLLM publishes them (issue 26): the ledger's
+ZmqEventPublisher (`engine/zmq_events.py`, vLLM's default high-water mark and queue) sends the
+recording as fast as it goes to one subscriber in another process, which decodes every batch
+into a prefix index (`PrefixIndex.apply_bytes`, the batch's own bytes: ZMQ carries no `hashes`
+field); events/s is from the first batch sent to the last one applied, and every batch must
+arrive (dropped: the publisher's queue, gaps: sequence numbers the subscriber never saw).
+
+    python benchmarks/kv_events_e2e.py --zmq --only "kvledger now" "batch field, read-ahead"
 """
 
 from __future__ import annotations
@@ -304,6 +313,74 @@ async def run(args: argparse.Namespace) -> dict:
             "rates": rates}  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------ over ZMQ
+ZMQ_SUBSCRIBER = """
+import json, sys, time
+import zmq
+from services.events.subscriber import PrefixIndex
+port, batches = int(sys.argv[1]), int(sys.argv[2])
+sub = zmq.Context.instance().socket(zmq.SUB)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.setsockopt(zmq.RCVHWM, 100_000)
+sub.connect(f"tcp://127.0.0.1:{port}")
+index = PrefixIndex()
+print("ready", flush=True)
+received, gaps, last, first_at = 0, 0, None, None
+while received < batches:
+    if not sub.poll(10_000):
+        break
+    _, seq_bytes, payload = sub.recv_multipart()
+    if first_at is None:
+        first_at = time.time()
+    seq = int.from_bytes(seq_bytes, "big")
+    if last is not None and seq != last + 1:
+        gaps += seq - last - 1
+    last = seq
+    index.apply_bytes(payload)
+    received += 1
+print(json.dumps({"received": received, "gaps": gaps, "first_at": first_at,
+                  "done_at": time.time(), "hashes": len(index.counts)}), flush=True)
+"""
+
+
+def zmq_run(blobs: list[bytes], target_events: int) -> dict:
+    """One pass of the recording over ZMQ, as fast as the publisher goes, to one subscriber."""
+    import subprocess
+
+    from engine.zmq_events import ZmqEventPublisher
+    from ledger.events import decode_batch
+    from services.config import KVEventsConfig
+    from services.transport.redis_server import free_port
+
+    per_blob = [len(decode_batch(b).events) for b in blobs]
+    order, events = [], 0
+    while events < target_events:
+        for i, n in enumerate(per_blob):
+            order.append(i)
+            events += n
+    port = free_port()
+    root = Path(__file__).resolve().parents[1]
+    sub = subprocess.Popen([sys.executable, "-c", ZMQ_SUBSCRIBER, str(port), str(len(order))],
+                           cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                           stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert sub.stdout is not None
+    assert sub.stdout.readline().strip() == "ready"
+    publisher = ZmqEventPublisher(KVEventsConfig(True, endpoint=f"tcp://*:{port}")).start()
+    time.sleep(0.5)  # the subscription reaches the publisher
+    started = time.time()
+    for seq, i in enumerate(order):
+        publisher.publish(seq, blobs[i])
+    queued_s = time.time() - started
+    report = json.loads(sub.stdout.readline())
+    sub.wait()
+    publisher.close()
+    seconds = report["done_at"] - started
+    return {"events": events, "batches": len(order), "events_per_s": events / seconds,
+            "received": report["received"], "gaps": report["gaps"],
+            "dropped": publisher.dropped, "publish_call_s": queued_s,
+            "hashes": report["hashes"]}  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=200)
@@ -315,8 +392,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--only", nargs="*", help="run only the subscribers whose names hold one of these"
     )
+    parser.add_argument("--zmq", action="store_true",
+                        help="also the recording over ZMQ to one subscriber (issue 26)")  # fmt: skip
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
+    if args.zmq:
+        blobs = record_batches(args.requests)
+        result["zmq"] = [zmq_run(blobs, args.events) for _ in range(args.repeats)]
     print(f"\nKV events through Redis: {result['events']:,} events in {result['entries']:,} "
           f"stream entries, published by KVEventStream at "
           f"{result['publish_events_per_s'] / 1e3:.0f}k events/s (one XADD per batch); "
@@ -325,6 +407,17 @@ def main(argv: list[str]) -> int:
     for name, rates in result["rates"].items():
         print(f"{name:<58} {statistics.median(rates) / 1e3:>8.0f}k "
               f"({min(rates) / 1e3:.0f}k-{max(rates) / 1e3:.0f}k)")  # fmt: skip
+    if args.zmq:
+        runs = result["zmq"]
+        rates = [x["events_per_s"] for x in runs]
+        print(f"{'over ZMQ: one subscriber, batch decoded (publish to applied)':<58} "
+              f"{statistics.median(rates) / 1e3:>8.0f}k ({min(rates) / 1e3:.0f}k-"
+              f"{max(rates) / 1e3:.0f}k)")  # fmt: skip
+        print(f"  ZMQ: {runs[0]['batches']:,} batches a run; received "
+              f"{[x['received'] for x in runs]}, gaps {[x['gaps'] for x in runs]}, dropped "
+              f"{[x['dropped'] for x in runs]} (queue {100_000:,}, hwm {100_000:,}); "
+              f"publish() calls took {max(x['publish_call_s'] for x in runs) * 1e3:.0f} ms "
+              f"for all batches at most")  # fmt: skip
     print(f"load average (1, 5, 15 min): {os.getloadavg()}")
     if args.json:
         result["machine"] = {"python": sys.version.split()[0], "cpus": os.cpu_count(),

@@ -9,7 +9,12 @@ three set-ups, interleaved per repetition: the default (uvloop + hiredis), and t
 before aaea583 (KVLEDGER_EVENT_LOOP=asyncio, redis-py's pure-Python parser), plus uvloop without
 hiredis. Targets (issue 12): <= 1 / 2 / 5 ms per step.
 
+`--zmq` compares the default set-up with KV events also published over ZMQ as vLLM publishes them
+(`--kv-events-config` with a replay socket; one subscriber in this process reads every batch),
+interleaved, at the sizes given (issue 26's target: <= +5% step time at 1,000 running).
+
     python benchmarks/ledger_service.py [--repeats 3] [--json benchmarks/results/ledger_service.json]
+    python benchmarks/ledger_service.py --zmq --sizes 1000 [--staggered]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -42,11 +48,13 @@ from services.wire.messages import (  # noqa: E402
     WorkerHello,
 )
 
-SETUPS = {  # name -> (KVLEDGER_EVENT_LOOP, hiredis importable)
-    "uvloop+hiredis": ("uvloop", True),
-    "asyncio+python-parser": ("asyncio", False),
-    "uvloop+python-parser": ("uvloop", False),
+SETUPS = {  # name -> (KVLEDGER_EVENT_LOOP, hiredis importable, KV events over ZMQ too)
+    "uvloop+hiredis": ("uvloop", True, False),
+    "asyncio+python-parser": ("asyncio", False, False),
+    "uvloop+python-parser": ("uvloop", False, False),
+    "uvloop+hiredis+zmq": ("uvloop", True, True),
 }
+ZMQ_SETUPS = ["uvloop+hiredis", "uvloop+hiredis+zmq"]  # --zmq: off (the baseline) and on
 BASELINE = "asyncio+python-parser"
 TARGET_MS = {64: 1.0, 256: 2.0, 1000: 5.0}
 PROMPT_LEN, MAX_MODEL_LEN, BLOCK_SIZE, VOCAB = 32, 1024, 16, 32_000
@@ -141,11 +149,42 @@ async def heartbeat(r, streams: StreamNames, hello: WorkerHello) -> None:
         await asyncio.sleep(5)
 
 
+class ZmqCounter:
+    """One subscriber to the ledger's ZMQ output, counting batches and sequence gaps."""
+
+    def __init__(self, port: int) -> None:
+        import zmq
+
+        self.sub = zmq.Context.instance().socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        self.batches = self.gaps = 0
+        self.last: int | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if not self.sub.poll(100):
+                continue
+            _, seq_bytes, _ = self.sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if self.last is not None and seq != self.last + 1:
+                self.gaps += 1
+            self.last, self.batches = seq, self.batches + 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sub.close(linger=0)
+
+
 async def one_run(
     url: str, size: int, setup: str, steps: int, staggered: bool = False, tree: Path = ROOT
 ) -> dict:
     """One run; `tree` is the checkout whose `kvledger ledger` runs (--baseline-tree)."""
-    loop_name, hiredis = SETUPS[setup.removesuffix("@baseline")]
+    loop_name, hiredis, zmq_on = SETUPS[setup.removesuffix("@baseline")]
     streams = StreamNames(f"b{uuid.uuid4().hex[:8]}")
     r = redis_streams.connect(url)
     blocks = size * (MAX_MODEL_LEN // BLOCK_SIZE) + 16
@@ -164,6 +203,15 @@ async def one_run(
             "--max-num-batched-tokens", "8192", "--max-model-len", str(MAX_MODEL_LEN),
             "--block-size", str(BLOCK_SIZE), "--metrics-port", "0", "--worker-ttl-s", "60",
             "--snapshot-interval-s", "1"]  # fmt: skip
+    counter = None
+    if zmq_on:
+        from services.transport.redis_server import free_port
+
+        pub, replay = free_port(), free_port()
+        args += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
+            "replay_endpoint": f"tcp://*:{replay}"})]  # fmt: skip
+        counter = ZmqCounter(pub)
     ledger = subprocess.Popen([sys.executable, "-c", LEDGER_MAIN, "1" if hiredis else "0", *args],
                               cwd=tree, env=env)  # fmt: skip
     marks["pid"] = ledger.pid
@@ -186,23 +234,32 @@ async def one_run(
                 raise RuntimeError(f"ledger exited with {ledger.returncode}")
         arrivals = worker.result()
         cpu1 = cpu_seconds(ledger.pid)
+        published = await r.xlen(streams.events)
     finally:
         ledger.terminate()
         ledger.wait(10)
         await r.flushall()
         await r.aclose()
+        if counter is not None:
+            counter.close()
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     wall = arrivals[-1] - arrivals[0]
     return {"size": size, "setup": setup, "steps": len(gaps), "wall_ms": wall / len(gaps) * 1e3,
             "median_ms": statistics.median(gaps) * 1e3,
             "p99_ms": sorted(gaps)[int(0.99 * (len(gaps) - 1))] * 1e3,
-            "cpu_ms": (cpu1 - marks["cpu0"]) / len(gaps) * 1e3}  # fmt: skip
+            "cpu_ms": (cpu1 - marks["cpu0"]) / len(gaps) * 1e3, "batches": published,
+            "zmq_received": None if counter is None else counter.batches,
+            "zmq_gaps": None if counter is None else counter.gaps}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1000])
-    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--setups", nargs="+", default=None, choices=list(SETUPS),
+                        help="default: the three without ZMQ (with --zmq: "
+                        f"{' and '.join(ZMQ_SETUPS)})")  # fmt: skip
+    parser.add_argument("--zmq", action="store_true",
+                        help="KV events over ZMQ off vs on (baseline: off)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
@@ -214,6 +271,9 @@ def main(argv: list[str]) -> int:
         "runs its ledger, interleaved, as SETUP@baseline",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.setups is None:
+        args.setups = ZMQ_SETUPS if args.zmq else [k for k, v in SETUPS.items() if not v[2]]
+    baseline = ZMQ_SETUPS[0] if args.zmq else BASELINE
     if args.baseline_tree:
         args.setups = [name for setup in args.setups for name in (setup, f"{setup}@baseline")]
     runs: list[dict] = []
@@ -228,9 +288,12 @@ def main(argv: list[str]) -> int:
                     runs.append({**run, "repeat": rep})
                     print(f"rep {rep} {size:>5} {setup:<22} wall {run['wall_ms']:.2f} ms/step "
                           f"(median {run['median_ms']:.2f}, p99 {run['p99_ms']:.2f}), "
-                          f"ledger CPU {run['cpu_ms']:.2f} ms/step", flush=True)  # fmt: skip
+                          f"ledger CPU {run['cpu_ms']:.2f} ms/step, {run['batches']} batches"
+                          + ("" if run["zmq_received"] is None else
+                             f", ZMQ received {run['zmq_received']} (gaps {run['zmq_gaps']})"),
+                          flush=True)  # fmt: skip
     print(f"\nledger ms per step with a null worker, median of {args.repeats} interleaved "
-          f"(min-max), GC on; baseline {BASELINE}; prompts "
+          f"(min-max), GC on; baseline {baseline}; prompts "
           f"{'32-47 (staggered)' if args.staggered else '32'} tokens")  # fmt: skip
     print(f"{'running':>7} {'setup':<22} {'wall/step':>18} {'ledger CPU/step':>18} "
           f"{'p99 gap':>8} {'target':>7}")  # fmt: skip
@@ -247,6 +310,14 @@ def main(argv: list[str]) -> int:
             print(f"{size:>7} {setup:<22} {w[0]:>6.2f} ({w[1]:.2f}-{w[2]:.2f}) "
                   f"{c[0]:>6.2f} ({c[1]:.2f}-{c[2]:.2f}) {cells['p99_ms'][0]:>8.2f} "
                   f"{TARGET_MS.get(size, float('nan')):>7.1f}")  # fmt: skip
+    for size in args.sizes:
+        base = next((x for x in summary if x["size"] == size and x["setup"] == baseline), None)
+        for row in summary:
+            if base is None or row["size"] != size or row is base:
+                continue
+            print(f"{size:>7} {row['setup']:<22} vs {baseline}: wall "
+                  f"{(row['wall_ms'][0] / base['wall_ms'][0] - 1) * 100:+.1f}%, ledger CPU "
+                  f"{(row['cpu_ms'][0] / base['cpu_ms'][0] - 1) * 100:+.1f}%")  # fmt: skip
     if args.json:
         machine = {"python": sys.version.split()[0], "cpus": os.cpu_count(),
                    "loadavg": os.getloadavg()}  # fmt: skip

@@ -39,6 +39,7 @@ from engine.translate import (
     validate_request,
 )
 from engine.workers import PoolPlan, group_view, membership_changes
+from engine.zmq_events import ZmqEventPublisher
 from ledger.events import AllBlocksCleared
 from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
@@ -139,6 +140,15 @@ class Engine:
             r, self.streams, max_bytes=int(config.kv_events_max_mb * 1e6), snapshot_interval_s=config.snapshot_interval_s,
             block_size=config.block_size, hash_algo=config.hash_algo, writer=leadership,
         )  # fmt: skip
+        # vLLM's ZMQ publisher beside the stream (--kv-events-config), fenced by the lease.
+        zmq_config = config.kv_events_config
+        self.zmq = (
+            ZmqEventPublisher(
+                zmq_config, fence=leadership, on_drop=self.metrics.record_kv_events_zmq_dropped
+            )
+            if zmq_config is not None and zmq_config.zmq
+            else None
+        )
         log.info(
             "kv_cache_capacity",
             line=self.capacity,
@@ -159,6 +169,10 @@ class Engine:
         # for it with the loops' backoff, logging the outage once, instead of crashing.
         startup = redis_streams.Reconnect("startup", self._count_outage)
         await startup.call(self._prepare_streams)
+        history = await startup.call(self._resume_events)
+        if self.zmq is not None:
+            self.zmq.start(history)
+            self.events.on_published = self.zmq.publish
         await startup.call(lambda: self._new_generation("ledger start"))
         log.info("gc_frozen", objects=freeze_after_startup())
         # One ledger serves a group: requests a previous ledger read under another consumer name
@@ -181,9 +195,24 @@ class Engine:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if self.leadership.held():  # a deposed leader leaves the keys to its successor
-                await self._write_snapshot()
-                await self.leadership.write(("DEL", self.streams.ledger_status))
+            try:
+                if self.leadership.held():  # a deposed leader leaves the keys to its successor
+                    await self._write_snapshot()
+                    await self.leadership.write(("DEL", self.streams.ledger_status))
+            finally:
+                if self.zmq is not None:  # sends what is queued, then frees the endpoints
+                    await asyncio.to_thread(self.zmq.close)
+
+    async def _resume_events(self) -> list[tuple[int, bytes]]:
+        """The events' sequence goes on from the stream's last entry; with a ZMQ replay socket,
+        the last buffer_steps batches (an earlier leader's) are kept for replay."""
+        zmq_config = self.cfg.kv_events_config
+        keep = (
+            zmq_config.buffer_steps
+            if self.zmq is not None and zmq_config is not None and zmq_config.replay_endpoint
+            else 0
+        )
+        return await self.events.resume(keep)
 
     async def _prepare_streams(self) -> None:
         await self.intake.reader.ensure_groups("0")

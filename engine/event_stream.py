@@ -8,6 +8,10 @@ stream from that id on. Periodic snapshots never stall the engine loop: they run
 task that packs the mirror in chunks, yielding between them, while batches published meanwhile
 go to an overlay that is merged back when the snapshot is written.
 
+Each entry also carries its sequence number (field `seq`), the batch's number over ZMQ
+(`engine/zmq_events.py`): a ledger that starts reads the last entry's and goes on from it, so the
+sequence runs on across restarts and failovers, and the snapshot records the number of its entry.
+
 The stream is capped by memory, not by a count: entries vary in size (a batch of one removal
 is tens of bytes, a long prefill's stored blocks kilobytes), so the MAXLEN of each XADD is the
 budget divided by the average entry seen so far (payload plus Redis' per-entry overhead).
@@ -25,6 +29,7 @@ import logging
 import time
 import uuid
 from array import array
+from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import cast
 
@@ -36,6 +41,7 @@ from ledger.events import AnyKVCacheEvent, KVEventBatch, encode_batch
 from ledger.hashing import to_event_hash
 from services.events.runs import (
     HASHES_FIELD,
+    SEQ_FIELD,
     Run,
     apply_runs,
     batch_runs,
@@ -53,6 +59,7 @@ ENTRY_OVERHEAD_BYTES = 110
 MIN_MAXLEN = 1000  # subscribers catching up need some history, whatever the budget
 
 log = logging.getLogger(__name__)
+Entry = tuple[bytes, dict[bytes, bytes]]
 
 # Entries packed between two yields to the loop: about 2 ms of array building on a slow core.
 SNAPSHOT_CHUNK = 50_000
@@ -83,6 +90,9 @@ class KVEventStream:
         self.block_size = block_size
         self.hash_algo = hash_algo
         self.last_id: bytes | None = None
+        self.seq = -1  # the sequence number of entry last_id (-1: none yet)
+        # Called with (seq, batch) once the entry is on the stream (the ZMQ publisher).
+        self.on_published: Callable[[int, bytes], object] | None = None
         self.published = 0
         self.batches = 0
         self.snapshots_written = 0
@@ -106,20 +116,80 @@ class KVEventStream:
         if not events:
             return 0
         batch = encode_batch(KVEventBatch(time.time(), events))
-        runs = batch_runs(events)
-        hashes = encode_runs(runs)
-        stream = self.streams.events
-        (entry_id,) = await self.writer.write(
-            ("XADD", stream, "MAXLEN", "~", self.maxlen, "*", b"batch", batch, HASHES_FIELD, hashes)
-        )
-        self.last_id = cast(bytes, entry_id)
-        self.batches += 1
-        self._entry_bytes += len(batch) + len(HASHES_FIELD) + len(hashes)
-        self.published += len(events)
-        if self._synced:
-            self._apply(runs)
-        else:  # the pool already holds these events' effects
+        synced = self._synced
+        await self.append(batch, batch_runs(events), epoch, apply=synced)
+        if not synced:  # the pool already holds these events' effects
             self.sync_from_pool(pool)
+        self.published += len(events)
+        return len(events)
+
+    async def append(
+        self,
+        batch: bytes,
+        runs: list[Run],
+        epoch: str,
+        extra: dict[bytes, bytes] | None = None,
+        *,
+        apply: bool = True,
+    ) -> bytes:
+        """Append one encoded batch with its runs (applied to the mirror unless it is already
+        in step) and any `extra` fields; returns the entry id."""
+        fields = self._fields(batch, runs, self.seq + 1, extra)
+        flat = [part for pair in fields.items() for part in pair]
+        (entry_id,) = await self.writer.write(
+            ("XADD", self.streams.events, "MAXLEN", "~", self.maxlen, "*", *flat)
+        )
+        self._appended(batch, runs, fields, entry_id, apply)
+        self._maybe_snapshot(epoch)
+        return entry_id
+
+    async def append_many(
+        self, entries: Sequence[tuple[bytes, list[Run], dict[bytes, bytes] | None]], epoch: str
+    ) -> None:
+        """`append` of several batches in one round trip (a bridge forwarding a backlog)."""
+        if not entries:
+            return
+        fields = [
+            self._fields(batch, runs, self.seq + 1 + i, extra)
+            for i, (batch, runs, extra) in enumerate(entries)
+        ]
+        ids = await self.writer.write(
+            *[
+                ("XADD", self.streams.events, "MAXLEN", "~", self.maxlen, "*",
+                 *[part for pair in entry.items() for part in pair])
+                for entry in fields
+            ]
+        )  # fmt: skip
+        for (batch, runs, _), entry_fields, entry_id in zip(entries, fields, ids, strict=True):
+            self._appended(batch, runs, entry_fields, entry_id, True)
+        self._maybe_snapshot(epoch)
+
+    @staticmethod
+    def _fields(
+        batch: bytes, runs: list[Run], seq: int, extra: dict[bytes, bytes] | None
+    ) -> dict[bytes, bytes]:
+        fields = {b"batch": batch, HASHES_FIELD: encode_runs(runs), SEQ_FIELD: b"%d" % seq}
+        if extra:
+            fields.update(extra)
+        return fields
+
+    def _appended(
+        self,
+        batch: bytes,
+        runs: list[Run],
+        fields: dict[bytes, bytes],
+        entry_id: bytes,
+        apply: bool,
+    ) -> None:
+        self.last_id, self.seq = entry_id, self.seq + 1
+        if self.on_published is not None:
+            self.on_published(self.seq, batch)
+        self.batches += 1
+        self._entry_bytes += sum(len(k) + len(v) for k, v in fields.items()) - len(b"batch")
+        if apply:
+            self._apply(runs)
+
+    def _maybe_snapshot(self, epoch: str) -> None:
         # The interval runs from the start of the last snapshot, so a slow write does not
         # stretch it; a snapshot still in flight is never doubled up.
         now = time.monotonic()
@@ -128,7 +198,38 @@ class KVEventStream:
         ):
             self._last_snapshot_start = now
             self._snapshot_task = asyncio.create_task(self._snapshot_in_background(epoch))
-        return len(events)
+
+    async def resume(self, history: int = 0) -> list[tuple[int, bytes]]:
+        """Go on with the sequence of the stream's last entry (a restart, a failover); return up
+        to `history` of the last entries as (seq, batch), oldest first, for the ZMQ replay
+        buffer: those whose numbers run without a gap up to the last one."""
+        newest = cast(list[Entry], await self.r.xrevrange(self.streams.events, count=1))
+        seq = _seq_of(newest[0][1]) if newest else None
+        self.seq = -1 if seq is None else seq
+        kept: list[tuple[int, bytes]] = []
+        end = b"+"
+        while seq is not None and len(kept) < history:
+            entries = cast(
+                list[Entry],
+                await self.r.xrevrange(
+                    self.streams.events, max=end, count=min(history - len(kept), 1000)
+                ),
+            )
+            for _, fields in entries:
+                if _seq_of(fields) != self.seq - len(kept) or b"batch" not in fields:
+                    kept.reverse()
+                    return kept
+                kept.append((self.seq - len(kept), fields[b"batch"]))
+            if not entries:
+                break
+            end = b"(" + entries[-1][0]
+        kept.reverse()
+        return kept
+
+    def load(self, counts: dict[int, int], last_id: bytes | None) -> None:
+        """Take `counts` as the mirror as of entry `last_id` (a bridge resuming its stream)."""
+        assert self._overlay is None, "no snapshot may be reading the mirror"
+        self.counts, self.last_id, self._synced = counts, last_id, True
 
     def sync_from_pool(self, pool: BlockPool) -> None:
         """Rebuild the mirror from the pool itself (a scan of every block: start-up only)."""
@@ -158,9 +259,9 @@ class KVEventStream:
                     known = 0 if self._cleared else self.counts.get(h, 0)
                 overlay[h] = max(known + delta, 0)
 
-    def _freeze(self) -> tuple[dict[int, int], str]:
+    def _freeze(self) -> tuple[dict[int, int], str, int]:
         self._overlay, self._cleared = {}, False
-        return self.counts, (self.last_id or b"0-0").decode()
+        return self.counts, (self.last_id or b"0-0").decode(), self.seq
 
     def _thaw(self) -> None:
         overlay, self._overlay = self._overlay, None
@@ -177,7 +278,7 @@ class KVEventStream:
 
     async def _snapshot_in_background(self, epoch: str) -> None:
         try:
-            counts, stream_id = self._freeze()
+            counts, stream_id, seq = self._freeze()
             try:
                 hashes, values = array("Q"), array("I")
                 keys, nums = iter(counts.keys()), iter(counts.values())
@@ -190,7 +291,7 @@ class KVEventStream:
                     await asyncio.sleep(0)
             finally:
                 self._thaw()  # the arrays are a copy: the mirror may change again
-            await self._write(hashes, values, stream_id, epoch)
+            await self._write(hashes, values, stream_id, epoch, seq)
         except aioredis.RedisError as exc:
             log.warning("kv_snapshot_failed error=%s", exc)
         except LeadershipLost:
@@ -199,7 +300,7 @@ class KVEventStream:
         finally:
             self._snapshot_task = None
 
-    def _encode(self, hashes: array, values: array, stream_id: str, epoch: str) -> bytes:
+    def _encode(self, hashes: array, values: array, stream_id: str, epoch: str, seq: int) -> bytes:
         hash_array, count_array = pack_arrays(hashes, values)
         snapshot = KVSnapshot(
             epoch=epoch,
@@ -209,13 +310,16 @@ class KVEventStream:
             written_at=time.time(),
             hash_array=hash_array,
             count_array=count_array,
+            seq=None if seq < 0 else seq,
         )
         return encode_snapshot(snapshot)
 
-    async def _write(self, hashes: array, values: array, stream_id: str, epoch: str) -> None:
+    async def _write(
+        self, hashes: array, values: array, stream_id: str, epoch: str, seq: int
+    ) -> None:
         # The arrays are this call's own copies, so packing and encoding (memory copies of
         # ~12 MB at 1M blocks) run in a thread while the loop steps.
-        data = await asyncio.to_thread(self._encode, hashes, values, stream_id, epoch)
+        data = await asyncio.to_thread(self._encode, hashes, values, stream_id, epoch, seq)
         key = self.streams.events_snapshot
         if len(data) <= SNAPSHOT_PART_BYTES:
             await self.writer.write(("SET", key, data))
@@ -230,11 +334,23 @@ class KVEventStream:
             await self.writer.write(("RENAME", building, key), ("PERSIST", key))
         self.snapshots_written += 1
 
-    async def write_snapshot(self, pool: BlockPool, epoch: str) -> None:
-        """Write the snapshot now (start-up, a new epoch, shutdown), resynced from the pool."""
+    async def write_snapshot(self, pool: BlockPool | None, epoch: str) -> None:
+        """Write the snapshot now (start-up, a new epoch, shutdown), resynced from the pool
+        (None: from the mirror as it is, for a bridge, which has no pool)."""
         if self._snapshot_task is not None:
             await asyncio.gather(self._snapshot_task, return_exceptions=True)
-        self.sync_from_pool(pool)
+        if pool is not None:
+            self.sync_from_pool(pool)
         counts, stream_id = self.counts, (self.last_id or b"0-0").decode()
-        await self._write(array("Q", counts.keys()), array("I", counts.values()), stream_id, epoch)
+        await self._write(
+            array("Q", counts.keys()), array("I", counts.values()), stream_id, epoch, self.seq
+        )
         self._last_snapshot_start = time.monotonic()
+
+
+def _seq_of(fields: dict[bytes, bytes]) -> int | None:
+    raw = fields.get(SEQ_FIELD)
+    try:
+        return None if raw is None else int(raw)
+    except ValueError:
+        return None

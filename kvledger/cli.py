@@ -3,6 +3,7 @@
 kvledger up          everything on this machine (private Redis, ledger, worker, gateway)
 kvledger ledger|worker|gateway   one service (Docker, or your own process manager)
 kvledger indexer     the replicas' KV events as a score service for external routers
+kvledger bridge      a vLLM server's ZMQ KV events onto a replica's Redis stream and snapshot
 kvledger hash        block hashes of a token list, as the ledger and its KV events see them
 kvledger capacity    the KV cache capacity line (or the refusal) for a model and a budget
 kvledger simulate    the real ledger on the paged-allocator blog's workload
@@ -17,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from services.config import (
+    BridgeConfig,
     GatewayConfig,
     IndexerConfig,
     LedgerConfig,
@@ -44,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("worker", WorkerConfig, "run a worker (model, KV cache tensors, paged attention)"),
         ("gateway", GatewayConfig, "run the OpenAI-compatible HTTP gateway"),
         ("indexer", IndexerConfig, "serve each replica's cached prefix of a prompt (POST /score)"),
-    ):
+        ("bridge", BridgeConfig, "follow a vLLM server's ZMQ KV events (PUB + replay) and write "
+         "them to a replica's Redis stream and snapshot, as a kvledger ledger would"),
+    ):  # fmt: skip
         p = sub.add_parser(name, help=helptext, description=helptext)
         add_arguments(p, cls)
         p.set_defaults(func=_service_main(name, cls))
@@ -73,7 +77,8 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def _service_main(
-    name: str, cls: type[LedgerConfig | WorkerConfig | GatewayConfig | IndexerConfig]
+    name: str,
+    cls: type[LedgerConfig | WorkerConfig | GatewayConfig | IndexerConfig | BridgeConfig],
 ) -> Callable[[argparse.Namespace], int]:
     """`kvledger ROLE`: the role's config from flags and environment, then its `serve`."""
 
@@ -107,6 +112,10 @@ def _role_serve(name: str) -> Callable[[Any], Coroutine[Any, Any, None]]:
         from gateway import serve as serve_gateway
 
         return serve_gateway
+    if name == "bridge":
+        from kvledger.bridge import serve as serve_bridge
+
+        return serve_bridge
     from indexer import serve as serve_indexer
 
     return serve_indexer

@@ -24,11 +24,13 @@ from kvledger.runtime import warn_password_on_command_line
 from kvledger.supervisor import Child, Supervisor
 from services.config import (
     GatewayConfig,
+    KVEventsConfig,
     LedgerConfig,
     WorkerConfig,
     add_arguments,
     flag_fields,
     flag_of,
+    parse_kv_events_config,
 )
 from services.environment import ConfigError, env, read_redis_url_file, redact_url
 from services.tokenization.model_source import DEFAULT_MODEL, ModelSourceError, resolve_model
@@ -52,6 +54,9 @@ UP_OWNS = frozenset(
     {"redis_url", "replica", "replicas", "metrics_port", "tp_rank", "tp_size", "worker_id",
      "gateway_id", "group", "num_workers", "stream_prefix", "workers_on_host"}
 )  # fmt: skip
+# Flags `up` takes as declared but hands each replica's ledger its own way: vLLM offsets the KV
+# events' ZMQ ports by data-parallel rank, `up` by replica index (through the environment).
+PER_REPLICA = frozenset({"kv_events_config"})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -107,7 +112,7 @@ def role_flags(args: argparse.Namespace, role: str) -> list[str]:
     """The flags given to `up` that `role` declares, as that role's command line."""
     argv = []
     for f in flag_fields(ROLE_CONFIGS[role]):
-        if f.name in UP_OWNS:
+        if f.name in UP_OWNS or f.name in PER_REPLICA:
             continue
         value = getattr(args, _dest_of(args, flag_of(f)), None)
         if value is not None:
@@ -161,6 +166,19 @@ def redis_url_of(args: argparse.Namespace) -> str | None:
     return url
 
 
+def kv_events_config_of(args: argparse.Namespace) -> KVEventsConfig | None:
+    """--kv-events-config, else KVLEDGER_KV_EVENTS_CONFIG, parsed once here (a bad key stops
+    `up` before anything starts)."""
+    text = args.kv_events_config or env("KVLEDGER_KV_EVENTS_CONFIG")
+    if not text:
+        return None
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as exc:
+        source = "--kv-events-config" if args.kv_events_config else "KVLEDGER_KV_EVENTS_CONFIG"
+        raise ConfigError(f"{source}: {exc}") from None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     server = None
     if args.cpu_threads is not None and args.cpu_threads < 1:
@@ -177,6 +195,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     try:
         redis_url = redis_url_of(args)
+        kv_events = kv_events_config_of(args)
     except ConfigError as exc:
         print(f"kvledger up: {exc}", file=sys.stderr)
         return 2
@@ -213,7 +232,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 [sys.executable, "-m", "kvledger.cli", role, *role_flags(args, role)],
                 child_env,
             )
-            for name, child_env in _roles(env_, replicas, ports, args.tensor_parallel_size)
+            for name, child_env in _roles(
+                env_, replicas, ports, args.tensor_parallel_size, kv_events
+            )
             for role in [name.split("-")[0]]
         ]
     )
@@ -259,16 +280,24 @@ def replica_names(count: int) -> list[str]:
 
 
 def _roles(
-    env: dict[str, str], replicas: list[str], ports: list[int], tp_size: int = 1
+    env: dict[str, str],
+    replicas: list[str],
+    ports: list[int],
+    tp_size: int = 1,
+    kv_events: KVEventsConfig | None = None,
 ) -> list[tuple[str, dict[str, str]]]:
     """(child name, its environment): a ledger and a worker per replica (a worker per rank
-    under tensor parallelism), then the gateway."""
+    under tensor parallelism), then the gateway. Replica i's ledger publishes its KV events over
+    ZMQ on the configured ports + i."""
     roles = []
     several = len(replicas) > 1
-    for name, port in zip(replicas, ports, strict=True):
+    for index, (name, port) in enumerate(zip(replicas, ports, strict=True)):
         replica_env = {**env, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(port)}
         suffix = f"-{name}" if several else ""
-        roles.append((f"ledger{suffix}", replica_env))
+        ledger_env = dict(replica_env)
+        if kv_events is not None:
+            ledger_env["KVLEDGER_KV_EVENTS_CONFIG"] = kv_events.offset(index).to_json()
+        roles.append((f"ledger{suffix}", ledger_env))
         if tp_size == 1:
             roles.append((f"worker{suffix}", replica_env))
             continue

@@ -141,6 +141,13 @@ class LedgerMetrics:
             registry=registry,
         )
         self._worker_labels: set[tuple[str, str, str]] = set()
+        self._zmq_dropped = Counter(
+            "kvledger:kv_events_zmq_dropped",
+            "KV-event batches not published over ZMQ because the publisher's queue was full "
+            "(--kv-events-config max_queue_size); a subscriber sees the gap and resyncs.",
+            VLLM_LABELS,
+            registry=registry,
+        ).labels(**self.labels)
         self._failed_requests = Counter(
             "kvledger:failed_requests",
             "Requests failed because a worker step failed with them: named by the worker "
@@ -184,6 +191,9 @@ class LedgerMetrics:
 
     def record_kv_events(self, count: int) -> None:
         self._counters["kvledger:kv_events_published"].inc(count)
+
+    def record_kv_events_zmq_dropped(self, batches: int) -> None:
+        self._zmq_dropped.inc(batches)
 
     def record_step(self, seconds: float) -> None:
         self._step_duration.observe(seconds)

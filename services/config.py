@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Container
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar, cast
 
 from services.environment import ConfigError, env
@@ -146,6 +147,109 @@ def _optional_bytes(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else parse_bytes(text)
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM 0.33's `--kv-events-config` (vllm/config/kv_events.py): the same JSON keys, the same
+    defaults, so a vLLM user's setting works unchanged. The ledger always publishes its KV events
+    on the Redis stream; this adds vLLM's ZMQ publisher beside it (`engine/zmq_events.py`)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; unset: zmq when enabled, else null
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def zmq(self) -> bool:
+        """Whether batches go out over ZMQ at all."""
+        return self.enable_kv_cache_events and self.resolved_publisher == "zmq"
+
+    @property
+    def resolved_publisher(self) -> str:
+        if self.publisher is not None:
+            return self.publisher
+        return "zmq" if self.enable_kv_cache_events else "null"
+
+    def offset(self, index: int) -> KVEventsConfig:
+        """The endpoints of replica `index` under `kvledger up --replicas N`, as vLLM offsets
+        them by data-parallel rank: a tcp port + index (port 0 stays 0), `_dp{index}` after an
+        inproc or ipc name; index 0 unchanged."""
+        return replace(
+            self,
+            endpoint=offset_endpoint(self.endpoint, index),
+            replay_endpoint=(
+                None
+                if self.replay_endpoint is None
+                else offset_endpoint(self.replay_endpoint, index)
+            ),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+_KV_EVENTS_TYPES: dict[str, tuple[type, ...]] = {
+    "enable_kv_cache_events": (bool,),
+    "publisher": (str, type(None)),
+    "endpoint": (str,),
+    "replay_endpoint": (str, type(None)),
+    "buffer_steps": (int,),
+    "hwm": (int,),
+    "max_queue_size": (int,),
+    "topic": (str,),
+}
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    """`--kv-events-config`'s JSON; an unknown key, a value of the wrong type or out of range is
+    refused with the key's name."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON object of vLLM's KVEventsConfig keys, got {type(raw).__name__}")
+    for key, value in raw.items():
+        types = _KV_EVENTS_TYPES.get(key)
+        if types is None:
+            raise ValueError(
+                f"key {key!r} is not one of vLLM's KVEventsConfig keys "
+                f"({', '.join(_KV_EVENTS_TYPES)})"
+            )
+        # bool is an int to Python, but not to a config: `"hwm": true` is a mistake.
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"key {key!r}: expected {wanted}, got {json.dumps(value)}")
+    config = KVEventsConfig(**raw)
+    if config.resolved_publisher not in ("zmq", "null"):
+        raise ValueError(f"key 'publisher': {config.publisher!r}: use 'zmq' or 'null'")
+    for key in ("buffer_steps", "hwm", "max_queue_size"):
+        if getattr(config, key) < 1:
+            raise ValueError(f"key {key!r}: must be at least 1, got {getattr(config, key)}")
+    for key in ("endpoint", "replay_endpoint"):
+        endpoint = getattr(config, key)
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(
+                f"key {key!r}: {endpoint!r} is not a tcp://, ipc:// or inproc:// address"
+            )
+    return config
+
+
+def offset_endpoint(endpoint: str, index: int) -> str:
+    """A ZMQ endpoint moved by `index` (see KVEventsConfig.offset)."""
+    if index == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{index}"
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or not base.startswith("tcp://"):
+        raise ValueError(f"cannot offset {endpoint!r}: a tcp endpoint ends with :PORT")
+    return endpoint if int(port) == 0 else f"{base}:{int(port) + index}"
+
+
 @dataclass
 class HttpServerConfig:
     """Limits of a service's HTTP listener against slow and numerous clients
@@ -257,6 +361,16 @@ class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
         256.0,
         "Redis memory the KV-events stream may take, in MB (its MAXLEN follows the entry size)",
         float,
+    )
+    kv_events_config: KVEventsConfig | None = _opt(  # noqa: RUF009 (None, a frozen value)
+        "KVLEDGER_KV_EVENTS_CONFIG",
+        None,
+        'vLLM\'s KV-events JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\': also publish every batch '
+        "over ZMQ as vLLM 0.33 does (keys: enable_kv_cache_events, publisher, endpoint, "
+        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; default: Redis only)",
+        parse_kv_events_config,
+        flags=("--kv-events-config",),
     )
 
 
@@ -425,6 +539,47 @@ class IndexerConfig(CommonConfig, HttpServerConfig):
     )
     max_body_bytes: int = _opt(
         None, 4 * 1024 * 1024, "largest request body accepted (413 above)", int
+    )
+
+
+@dataclass
+class BridgeConfig(CommonConfig, EngineShape):
+    """`kvledger bridge`: one vLLM server's ZMQ KV events onto a replica's Redis stream."""
+
+    endpoint: str | None = _opt(
+        "KVLEDGER_BRIDGE_ENDPOINT",
+        None,
+        "the vLLM server's KV-events PUB socket to follow, e.g. tcp://vllm-host:5557 "
+        "(its --kv-events-config endpoint, as a client dials it; required)",
+    )
+    replay_endpoint: str | None = _opt(
+        "KVLEDGER_BRIDGE_REPLAY_ENDPOINT",
+        None,
+        "its replay (ROUTER) socket, e.g. tcp://vllm-host:5558 (default none: a gap resets the "
+        "replica's view instead of being filled)",
+    )
+    topic: str = _opt(None, "", "the publisher's topic (its --kv-events-config topic)")
+    hash_algo: str = _opt(
+        "KVLEDGER_HASH_ALGO",
+        "sha256",
+        "the vLLM server's prefix-caching hash algorithm, for routers that hash prompts: "
+        "sha256, sha256_cbor, xxhash or xxhash_cbor",
+        lambda text: _choice(text, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
+        flags=("--hash-algo", "--prefix-caching-hash-algo"),
+    )
+    served_model_name: str = _opt(
+        "KVLEDGER_MODEL_NAME", "vllm", "the model name the vLLM server serves",
+        flags=("--served-model-name",),
+    )  # fmt: skip
+    snapshot_interval_s: float = _opt(None, 1.0, "seconds between KV-event snapshots", float)
+    leader_ttl_s: float = _opt(
+        None, 5.0, "seconds the bridge's lease on the replica lasts unrenewed", float
+    )
+    kv_events_max_mb: float = _opt(
+        "KVLEDGER_KV_EVENTS_MAX_MB",
+        256.0,
+        "Redis memory the KV-events stream may take, in MB",
+        float,
     )
 
 

@@ -21,6 +21,10 @@ from ledger.events import AllBlocksCleared, AnyKVCacheEvent, BlockRemoved, Block
 from services.events.snapshot import CLEARED, REMOVED, STORED, OpLog
 
 HASHES_FIELD = b"hashes"
+# The batch's sequence number (ASCII decimal), the one it carries over ZMQ: one more than the
+# entry before it, across ledger restarts and failovers (engine/event_stream.py). Entries of
+# earlier releases have none.
+SEQ_FIELD = b"seq"
 
 Run = tuple[int, list[int]]
 

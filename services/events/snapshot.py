@@ -40,6 +40,10 @@ class KVSnapshot(msgspec.Struct, omit_defaults=True):
     hash_array: bytes = b""  # uint64 LE event hashes
     count_array: bytes = b""  # uint32 LE physical blocks holding each hash
     hashes: list[tuple[int, int]] | None = None  # version 1: [[hash, count], ...]
+    # The sequence number of entry `stream_id` (its `seq` field, its ZMQ sequence): a ZMQ
+    # subscriber loads the snapshot and asks the replay socket for seq + 1 on. None: no entry
+    # carried one (an empty stream, or a ledger of an earlier release).
+    seq: int | None = None
 
 
 def pack_arrays(hashes: array, counts: array) -> tuple[bytes, bytes]:

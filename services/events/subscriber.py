@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -82,6 +82,45 @@ _HashesOnly: Any = msgspec.defstruct(
     gc=False,
 )  # fmt: skip
 _HASHES_DECODER = msgspec.msgpack.Decoder(_HashesOnly)
+
+
+_KIND_OF: dict[type, int] = {
+    _Stored: STORED, _Removed: REMOVED, _Cleared: CLEARED,
+    BlockStored: STORED, BlockRemoved: REMOVED, AllBlocksCleared: CLEARED,
+}  # fmt: skip
+
+
+def event_hash(h: int | bytes) -> int:
+    """A block hash as an index holds it: vLLM's int as it is, its bytes form (vLLM with
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) as vLLM turns it into an int: the last 8 bytes,
+    big-endian."""
+    return h if isinstance(h, int) else int.from_bytes(h[-8:], "big")
+
+
+def batch_hash_runs(data: bytes) -> list[Run]:
+    """The runs (kind, hashes) of one batch as vLLM or kvledger encodes it, for the `hashes`
+    field of an entry written from another publisher's bytes (`kvledger bridge`). Reads only the
+    kinds and block hashes where it can; raises EventDecodeError for what is no batch."""
+    try:
+        events: list[Any] = _HASHES_DECODER.decode(data).events
+        convert = False
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        events = decode_batch(data).events  # byte hashes, positional events, odd values
+        convert = True
+    runs: list[Run] = []
+    last, current = -1, cast(list[int], [])
+    kind_of = _KIND_OF
+    for event in events:
+        kind = kind_of[type(event)]
+        if kind != last or kind == CLEARED:
+            current = []
+            runs.append((kind, current))
+            last = kind
+        if kind != CLEARED:
+            current += (
+                [event_hash(h) for h in event.block_hashes] if convert else event.block_hashes
+            )
+    return runs
 
 
 class PrefixIndex:

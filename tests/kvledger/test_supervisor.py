@@ -16,9 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.launcher import _child_env, add_parser, redis_url_of, role_flags
+from kvledger.launcher import (
+    _child_env,
+    _roles,
+    add_parser,
+    kv_events_config_of,
+    redis_url_of,
+    role_flags,
+)
 from kvledger.supervisor import Child, Supervisor, backoff_delay
-from services.config import LedgerConfig, from_arguments
+from services.config import KVEventsConfig, LedgerConfig, from_arguments, parse_kv_events_config
 from services.environment import ConfigError, read_redis_url_file, redact_url, redis_password
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,6 +140,30 @@ def test_up_passes_each_flag_to_the_roles_that_declare_it():
     assert given("ledger") == {"--log-level": "debug", "--max-num-seqs": "8"}
     env = _child_env(args, "redis://127.0.0.1:1/0", 9100)
     assert env["KVLEDGER_REDIS_URL"] == "redis://127.0.0.1:1/0"
+
+
+def test_up_offsets_each_replicas_zmq_ports_by_its_index(monkeypatch):
+    monkeypatch.delenv("KVLEDGER_KV_EVENTS_CONFIG", raising=False)
+    text = ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+            '"replay_endpoint": "tcp://*:5600", "topic": "kv"}')  # fmt: skip
+    args = _up_args("--replicas", "3", "--kv-events-config", text)
+    assert "--kv-events-config" not in role_flags(args, "ledger")  # per replica, not as given
+    config = kv_events_config_of(args)
+    assert config is not None
+    roles = dict(_roles({}, ["r0", "r1", "r2"], [1, 2, 3], 1, config))
+    ledgers = [parse_kv_events_config(roles[f"ledger-r{i}"]["KVLEDGER_KV_EVENTS_CONFIG"])
+               for i in range(3)]  # fmt: skip
+    assert [(c.endpoint, c.replay_endpoint) for c in ledgers] == [
+        ("tcp://*:5557", "tcp://*:5600"), ("tcp://*:5558", "tcp://*:5601"),
+        ("tcp://*:5559", "tcp://*:5602"),
+    ]  # fmt: skip
+    assert {c.topic for c in ledgers} == {"kv"}
+    assert "KVLEDGER_KV_EVENTS_CONFIG" not in roles["worker-r0"]
+    # From the environment too, and refused by name before anything starts.
+    monkeypatch.setenv("KVLEDGER_KV_EVENTS_CONFIG", '{"enable_kv_cache_events": true}')
+    assert kv_events_config_of(_up_args()) == KVEventsConfig(True)
+    with pytest.raises(ConfigError, match="--kv-events-config: key 'port'"):
+        kv_events_config_of(_up_args("--kv-events-config", '{"port": 1}'))
 
 
 def test_redis_url_from_a_file_and_the_password_never_printed(tmp_path, monkeypatch, capsys):

@@ -17,13 +17,14 @@ from ledger.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventDecodeError,
     KVEventBatch,
     decode_batch,
     encode_batch,
 )
 from services.events.runs import HASHES_FIELD, batch_runs, decode_runs, encode_runs
 from services.events.snapshot import CLEARED, REMOVED, STORED, OpLog, pack_ops
-from services.events.subscriber import KVEventSubscriber, PrefixIndex
+from services.events.subscriber import KVEventSubscriber, PrefixIndex, batch_hash_runs
 from services.transport.keys import StreamNames
 from services.transport.redis_streams import connect
 from tests.ledger.test_events import VLLM_SCENARIO_BATCH
@@ -98,13 +99,16 @@ async def test_published_entries_keep_vllms_bytes_and_add_the_runs(redis_url, mo
             await stream.publish(vllm_batch.events, BlockPool(4, enable_caching=True), "e")
         monkeypatch.undo()
         entries = await r.xrange(streams.events)
-        assert [sorted(fields) for _, fields in entries] == [[b"batch", b"hashes"]] * 2
+        assert [sorted(fields) for _, fields in entries] == [[b"batch", b"hashes", b"seq"]] * 2
+        assert [fields[b"seq"] for _, fields in entries] == [b"0", b"1"]
         assert [fields[b"batch"] for _, fields in entries] == [VLLM_SCENARIO_BATCH] * 2
         scenario = decode_batch(VLLM_SCENARIO_BATCH).events
         assert decode_runs(entries[0][1][b"hashes"]) == batch_runs(scenario)
         assert [kind for kind, _ in batch_runs(scenario)] == [STORED, REMOVED, STORED]
         # The memory budget counts the extra field.
-        total = sum(len(f[b"batch"]) + len(HASHES_FIELD) + len(f[b"hashes"]) for _, f in entries)
+        total = sum(
+            len(b"".join(f)) + len(b"".join(f.values())) - len(b"batch") for _, f in entries
+        )
         assert stream._entry_bytes == total
     finally:
         await r.delete(streams.events, streams.events_snapshot)
@@ -195,3 +199,30 @@ async def test_a_short_page_is_read_during_the_poll_that_returns_it(redis_url):
     finally:
         await r.delete(streams.events)
         await r.aclose()
+
+
+def test_runs_read_from_another_publishers_bytes_int_or_byte_hashes():
+    """`kvledger bridge` writes the `hashes` field from vLLM's bytes: the same runs as the
+    ledger's own for int hashes, and vLLM's byte hashes turned into ints as vLLM turns them."""
+    rng = random.Random(7)
+    for _ in range(50):
+        events = random_events(rng, rng.randint(1, 30))
+        data = encode_batch(KVEventBatch(1.0, events))
+        assert batch_hash_runs(data) == batch_runs(events)
+    assert batch_hash_runs(VLLM_SCENARIO_BATCH) == batch_runs(
+        decode_batch(VLLM_SCENARIO_BATCH).events
+    )
+    digests = [bytes(range(i, i + 32)) for i in range(3)]
+    with_bytes = msgpack.packb([1.0, [
+        {"type": "BlockStored", "block_hashes": digests[:2], "parent_block_hash": None,
+         "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "GPU",
+         "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": digests[1:], "medium": "GPU"},
+        {"type": "AllBlocksCleared"}, {"type": "AllBlocksCleared"},
+    ]])  # fmt: skip
+    as_int = [int.from_bytes(d, "big") & (2**64 - 1) for d in digests]  # vLLM's own rule
+    assert batch_hash_runs(with_bytes) == [
+        (STORED, as_int[:2]), (REMOVED, as_int[1:]), (CLEARED, []), (CLEARED, []),
+    ]  # fmt: skip
+    with pytest.raises(EventDecodeError):
+        batch_hash_runs(b"\x93not a batch")

@@ -1,0 +1,240 @@
+"""`kvledger bridge`: a vLLM server's KV events (its ZMQ publisher) on a replica's Redis stream,
+written exactly as a kvledger ledger writes its own, so `kvledger indexer`, `kvledger events`,
+the subscriber in `services/events/subscriber.py` and the gateway's event follower treat the
+vLLM server as a replica.
+
+It follows the server's PUB socket and replay socket (`services/events/zmq_follower.py`: gaps
+filled by replay, a restarted publisher told apart from one that is ahead), and for each batch
+appends one stream entry: `batch`, vLLM's bytes unchanged; `hashes`, the runs an index applies
+(block hashes as unsigned 64-bit ints, vLLM's byte hashes converted as vLLM converts them);
+`seq`, the stream's own sequence (it goes on across bridge restarts and publisher restarts);
+`source_seq`, the publisher's sequence of the batch. It keeps the mirror of cached blocks and
+writes the snapshot as a ledger does, and a status key (block size, hash algorithm, model) that
+routers read as a ledger's.
+
+- A restarted publisher (its sequence back to 0, or the batch at the last sequence applied not
+  the one applied) or batches lost for good (no longer in its replay buffer) start a new epoch:
+  an AllBlocksCleared entry, then the publisher's batches from the oldest it keeps. An
+  AllBlocksCleared the publisher sends itself is forwarded like any batch.
+- A restarted bridge resumes: it takes the last `source_seq` and batch from the stream, rebuilds
+  its mirror from the snapshot and the entries after it, and asks the publisher's replay socket
+  for what it missed, checking that the batch at that sequence is the one it applied.
+- One writer per replica: the bridge holds the replica's lease (as a ledger does) and its
+  appends are fenced by the lease token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from engine.event_stream import KVEventStream
+from engine.leadership import Leadership
+from ledger.events import (
+    AllBlocksCleared,
+    EventDecodeError,
+    KVEventBatch,
+    encode_batch,
+)
+from observability import get_logger
+from services.config import BridgeConfig
+from services.environment import ConfigError
+from services.events.runs import HASHES_FIELD, apply_runs, decode_runs
+from services.events.snapshot import CLEARED, decode_snapshot, snapshot_counts
+from services.events.subscriber import batch_hash_runs
+from services.events.zmq_follower import Batch, ZmqFollower
+from services.transport import redis_streams
+from services.wire.codec import encode
+from services.wire.messages import LedgerStatus
+
+log = get_logger("kvledger.bridge")
+
+SOURCE_SEQ_FIELD = b"source_seq"
+STATUS_INTERVAL_S = 1.0
+MAX_GROUP = 256  # batches appended in one round trip at most
+
+
+async def serve(config: BridgeConfig) -> None:
+    """Run the bridge until cancelled (`kvledger bridge`)."""
+    if not config.endpoint:
+        raise ConfigError("--endpoint: the vLLM server's KV-events endpoint is required")
+    assert config.redis_url, "the caller checks that there is a Redis to talk to"
+    r = redis_streams.connect(config.redis_url)
+    try:
+        await Bridge(config, r).run()
+    finally:
+        await r.aclose()
+
+
+class Bridge:
+    def __init__(self, config: BridgeConfig, r: aioredis.Redis) -> None:
+        assert config.endpoint is not None
+        self.cfg = config
+        self.r = r
+        self.streams = config.streams
+        self.leadership = Leadership(r, self.streams, config.leader_ttl_s)
+        self.events = KVEventStream(
+            r, self.streams, max_bytes=int(config.kv_events_max_mb * 1e6),
+            snapshot_interval_s=config.snapshot_interval_s, block_size=config.block_size,
+            hash_algo=config.hash_algo, writer=self.leadership,
+        )  # fmt: skip
+        self.follower = ZmqFollower(config.endpoint, config.replay_endpoint, config.topic)
+        self.bridge_id = uuid.uuid4().hex[:12]
+        self.generation = 0
+        self.started_at = time.time()
+        self.stopping = asyncio.Event()
+        self.ready = asyncio.Event()  # set once following
+        self.forwarded = 0  # batches appended
+        self.undecodable = 0
+        self.resets: list[str] = []
+        self.resumed_at: int | None = None  # the publisher's sequence resumed after
+
+    @property
+    def epoch(self) -> str:
+        return f"bridge-{self.bridge_id}.{self.generation}"
+
+    async def run(self) -> None:
+        await self.leadership.acquire(self.stopping)
+        lease = asyncio.create_task(self.leadership.renew_forever(), name="lease")
+        status = asyncio.create_task(self._status_forever(), name="status")
+        try:
+            startup = redis_streams.Reconnect("startup", lambda loop: None)
+            resume = await startup.call(self._resume)
+            self.resumed_at = None if resume is None else resume[0]
+            self.follower.open(resume)
+            if resume is None:
+                await self._new_epoch("bridge start")
+            log.info(
+                "bridge_following", endpoint=self.cfg.endpoint,
+                replay_endpoint=self.cfg.replay_endpoint, topic=self.cfg.topic,
+                replica=self.streams.replica, resumed_after=self.resumed_at,
+            )  # fmt: skip
+            self.ready.set()
+            while not self.stopping.is_set():
+                if lease.done():
+                    lease.result()  # the lease went to another writer: stop loudly
+                group: list[Batch] = []
+                for item in await self.follower.poll(0.25):
+                    if isinstance(item, Batch):
+                        group.append(item)
+                        if len(group) >= MAX_GROUP:
+                            await self._forward(group)
+                            group = []
+                        continue
+                    await self._forward(group)
+                    group = []
+                    log.warning("bridge_reset", reason=item.reason, replica=self.streams.replica)
+                    self.resets.append(item.reason)
+                    await self._new_epoch(item.reason)
+                await self._forward(group)
+        finally:
+            for task in (lease, status):
+                task.cancel()
+            await asyncio.gather(lease, status, return_exceptions=True)
+            self.follower.close()
+            if self.leadership.held():
+                try:
+                    await self.events.write_snapshot(None, self.epoch)
+                    await self.r.delete(self.streams.ledger_status)
+                finally:
+                    await self.leadership.release()
+
+    async def _forward(self, batches: list[Batch]) -> None:
+        """Append these batches, in order, in one round trip."""
+        entries = []
+        for batch in batches:
+            try:
+                runs = batch_hash_runs(batch.payload)
+            except EventDecodeError as exc:
+                # Stepped over, never guessed at: the index misses this batch's effect.
+                self.undecodable += 1
+                log.error("bridge_batch_undecodable", seq=batch.seq, error=str(exc))
+                continue
+            entries.append((batch.payload, runs, {SOURCE_SEQ_FIELD: b"%d" % batch.seq}))
+        await self.events.append_many(entries, self.epoch)
+        self.forwarded += len(entries)
+
+    async def _new_epoch(self, reason: str) -> None:
+        """The view of the replica starts over: AllBlocksCleared, then a fresh snapshot."""
+        self.generation += 1
+        clear = encode_batch(KVEventBatch(time.time(), [AllBlocksCleared()]))
+        await self.events.append(clear, [(CLEARED, [])], self.epoch)
+        await self.events.write_snapshot(None, self.epoch)
+        log.info("epoch_started", epoch=self.epoch, reason=reason)
+
+    async def _resume(self) -> tuple[int, bytes] | None:
+        """(the publisher's sequence, payload) of the last batch forwarded, with the mirror
+        rebuilt as of the stream's last entry; None when there is nothing to resume from (a
+        first start, or a stream the snapshot no longer lines up with)."""
+        await self.events.resume(0)
+        last = None
+        for _, fields in cast(
+            list[tuple[bytes, dict[bytes, bytes]]],
+            await self.r.xrevrange(self.streams.events, count=1000),
+        ):
+            if SOURCE_SEQ_FIELD in fields and b"batch" in fields:
+                last = (int(fields[SOURCE_SEQ_FIELD]), fields[b"batch"])
+                break
+        if last is None:
+            return None
+        data = await self.r.get(self.streams.events_snapshot)
+        if data is None:
+            return None
+        snapshot = decode_snapshot(cast(bytes, data))
+        counts = snapshot_counts(snapshot)
+        last_id = snapshot.stream_id.encode()
+        if snapshot.stream_id != "0-0" and not await self.r.xrange(
+            self.streams.events, min=last_id, max=last_id
+        ):
+            return None  # trimmed past the snapshot: the mirror cannot be rebuilt
+        start = b"(" + last_id
+        while True:
+            entries = cast(
+                list[tuple[bytes, dict[bytes, bytes]]],
+                await self.r.xrange(self.streams.events, min=start, count=1000),
+            )
+            for entry_id, fields in entries:
+                runs = decode_runs(fields[HASHES_FIELD]) if HASHES_FIELD in fields else None
+                if runs is None:
+                    runs = batch_hash_runs(fields[b"batch"])
+                apply_runs(counts, runs)
+                last_id = entry_id
+            if len(entries) < 1000:
+                break
+            start = b"(" + entries[-1][0]
+        self.events.load(counts, last_id)
+        # The epoch goes on: a resumed bridge is no new view of the replica.
+        bridge_id, _, generation = snapshot.epoch.removeprefix("bridge-").rpartition(".")
+        if bridge_id and generation.isdigit():
+            self.bridge_id, self.generation = bridge_id, int(generation)
+        return last
+
+    async def _status_forever(self) -> None:
+        """The status key routers read as a ledger's: block size, hash algorithm, model."""
+        while True:
+            try:
+                if self.leadership.held():
+                    await self.r.set(self.streams.ledger_status, encode(self.status()), px=5000)
+            except aioredis.RedisError as exc:
+                log.warning("bridge_status_failed", error=str(exc))
+            await asyncio.sleep(STATUS_INTERVAL_S)
+
+    def status(self) -> LedgerStatus:
+        cfg = self.cfg
+        return LedgerStatus(
+            epoch=self.epoch,
+            started_at=self.started_at,
+            updated_at=time.time(),
+            model_name=cfg.served_model_name,
+            max_model_len=cfg.max_model_len,
+            vocab_size=0,
+            block_size=cfg.block_size,
+            num_gpu_blocks=0,
+            capacity_line=f"vLLM server's KV events from {cfg.endpoint} (kvledger bridge)",
+            hash_algo=cfg.hash_algo,
+            num_workers=1,
+        )
