@@ -207,23 +207,6 @@ class Leadership:
             self._lose(f"a later leader than fence {self.token} holds {self.key}")
         return cast(list[Any], replies)
 
-    async def xadd_fenced(self, stream: str, fields: dict[bytes, bytes], maxlen: int) -> bytes:
-        """`append_fenced` of an entry of several fields (a KV-events batch)."""
-        flat = [part for pair in fields.items() for part in pair]
-        (entry_id,) = await self.write(("XADD", stream, "MAXLEN", "~", maxlen, "*", *flat))
-        return cast(bytes, entry_id)
-
-    async def xadd_fenced_many(
-        self, stream: str, entries: list[dict[bytes, bytes]], maxlen: int
-    ) -> list[bytes]:
-        """Several entries in one fenced script (one round trip); LeadershipLost, and none
-        written, if a later leader drew a token."""
-        ops = [
-            ("XADD", stream, "MAXLEN", "~", maxlen, "*", *[p for pair in f.items() for p in pair])
-            for f in entries
-        ]
-        return cast(list[bytes], await self.write(*ops))
-
     async def renew_forever(self) -> None:
         """Extend the lease every third of its TTL; raise LeadershipLost once another holds it."""
         while True:
