@@ -67,7 +67,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.StreamResponse:
     arrival = time.monotonic()
-    body = parse_json(await _read_body(request, gw.config.body_timeout_s))
+    body = parse_json(await read_body(request, gw.config.body_timeout_s))
     jobs = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
     async with gw.admit():
         limits = gw.limits(await gw.wait_for_ledger())
@@ -90,7 +90,7 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
             span.set_attributes(gens[0].span_attributes(total_usage(gens)))
 
 
-async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body within timeout_s: a client trickling it would hold a slot forever."""
     try:
         async with asyncio.timeout(timeout_s):
