@@ -145,6 +145,7 @@ def connect_pooled(
     with no such cap, so it is built as any other."""
     if redis_client.is_cluster_url(url):
         return redis_client.connect(url, **kwargs)
+    redis_client.client_options(kwargs)
     kwargs.setdefault("socket_timeout", None)
     kwargs.setdefault("socket_connect_timeout", 5)
     kwargs.setdefault("health_check_interval", 30)
