@@ -371,7 +371,8 @@ class Engine:
         held = list(self.scheduler.requests)
         log.error("requests_failed_without_workers", requests=len(held), error=error)
         for request in self.scheduler.finish_requests(held, RequestStatus.FINISHED_ERROR):
-            await self._finish_tracking(request, failure_output(request, error))
+            # Not the request's fault, and a worker that comes back serves it: a 503 to retry.
+            await self._finish_tracking(request, failure_output(request, error, unavailable=True))
 
     # ------------------------------------------------------------------ requests in
 

@@ -180,8 +180,11 @@ def rejection(msg: GenerateRequest, problem: str) -> RequestOutput:
     )
 
 
-def failure_output(request: Request[Tracked], error: str) -> RequestOutput:
-    """The final output of a request the ledger gives up on: its client gets `error`."""
+def failure_output(
+    request: Request[Tracked], error: str, unavailable: bool = False
+) -> RequestOutput:
+    """The final output of a request the ledger gives up on: its client gets `error` (a 503
+    to retry when `unavailable`: the service could not serve it now)."""
     return RequestOutput(
         req_id=request.request_id,
         new_token_ids=[],
@@ -191,6 +194,7 @@ def failure_output(request: Request[Tracked], error: str) -> RequestOutput:
         error=error,
         num_prompt_tokens=request.num_prompt_tokens,
         num_preemptions=request.num_preemptions,
+        unavailable=unavailable,
     )
 
 

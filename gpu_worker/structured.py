@@ -82,9 +82,7 @@ class GrammarState:
         limit, not a token the grammar refuses. Done at most once per request."""
         if self.tokenizer is None or self.grammar is None:
             return False
-        matcher = llguidance.LLMatcher(
-            self.tokenizer, without_forcing(self.grammar), log_level=0
-        )
+        matcher = llguidance.LLMatcher(self.tokenizer, without_forcing(self.grammar), log_level=0)
         self.tokenizer = self.grammar = None
         if matcher.is_error() or not matcher.consume_tokens(list(output)):
             return False

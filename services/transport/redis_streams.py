@@ -159,8 +159,11 @@ def connect_pooled(
     return aioredis.Redis.from_pool(pool)
 
 
+STREAM_MAXLEN = 100_000  # the requests streams' cap (approximate: trimmed by whole nodes)
+
+
 async def append(
-    r: aioredis.Redis, stream: str, msg: codec.Message, maxlen: int | None = 100_000
+    r: aioredis.Redis, stream: str, msg: codec.Message, maxlen: int | None = STREAM_MAXLEN
 ) -> bytes:
     """XADD one wire message; approximate MAXLEN trimming keeps the stream bounded cheaply."""
     # redis-py types replies as bytes | str; this client never decodes them.
