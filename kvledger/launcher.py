@@ -30,9 +30,15 @@ from services.config import (
     flag_of,
 )
 from services.environment import ConfigError, env, read_redis_url_file, redact_url
+from services.lifeline import Lifeline
 from services.transport import redis_client, redis_streams
 from services.transport.keys import StreamNames
-from services.transport.redis_server import RedisServer, RedisServerError, free_port
+from services.transport.redis_server import (
+    RedisServer,
+    RedisServerError,
+    free_port,
+    remove_stale,
+)
 from services.wire import codec
 from services.wire.messages import LedgerStatus
 
@@ -165,8 +171,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvledger up: {exc}", file=sys.stderr)
         return 2
     if not redis_url:
+        for folder in remove_stale():
+            print(
+                f"kvledger up: removed {folder}, left by a kvledger up that was killed", flush=True
+            )
         try:
-            server = RedisServer().start()
+            server = RedisServer(owned=True).start()
         except RedisServerError as exc:
             print(f"kvledger up: {exc}", file=sys.stderr)
             return 2
@@ -190,6 +200,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     env_ = _child_env(args, redis_url, metrics_port)
     prefix = env_.get("KVLEDGER_STREAM_PREFIX", "kvl")
     routing = args.routing or env_.get("KVLEDGER_ROUTING", "precise")
+    lifeline = Lifeline()  # every child dies with this process, even one killed with SIGKILL
     supervisor = Supervisor(
         [
             Child(
@@ -199,7 +210,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
             for name, child_env in _roles(env_, replicas, ports, args.tensor_parallel_size)
             for role in [name.split("-")[0]]
-        ]
+        ],
+        lifeline=lifeline,
     )
     supervisor.install_signal_handlers()
     try:
@@ -233,6 +245,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         supervisor.stop()
+        lifeline.close()
         if server is not None:
             server.stop()
 

@@ -109,9 +109,11 @@ def launch(
     extra_args: tuple[str, ...] = (),
     startup_timeout: float = 90.0,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Served:
-    """Start `kvledger up` on the CPU and return at once; `serving` waits for it and stops it."""
-    port = free_port()
+    """Start `kvledger up` on the CPU (on `port`, or a free one) and return at once; `serving`
+    waits for it and stops it."""
+    port = port or free_port()
     flags = [
         "--model",
         str(model_dir),
