@@ -2,8 +2,9 @@
 
 Conventions: a message is one stream entry with a single field `m` holding the wire bytes
 (`services.wire.codec`); KV events use field `batch`. Readers ack an entry only after its work is
-done. An entry that does not parse is copied to the dead-letter stream (with the error and the
-source stream) and acked, so one bad producer cannot wedge a service.
+done. An entry that does not parse is copied to the dead-letter stream (truncated, with the error
+and the source stream), deleted from its source and acked, so one bad producer cannot wedge a
+service nor fill Redis.
 """
 
 from __future__ import annotations
@@ -187,6 +188,9 @@ DEAD_LETTER_MAXLEN = 10_000
 
 
 async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: str) -> None:
+    """Copy a bad entry (truncated) to the dead letters, then delete it from its source
+    stream: left there whole, one 10 MB entry held 10 MB of Redis until trimming reached it,
+    and every other reader of that stream would dead-letter it again."""
     fields: dict[Any, Any] = {
         b"source_stream": entry.stream.encode(),
         b"source_id": entry.entry_id,
@@ -198,6 +202,9 @@ async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: 
         fields[b"size:" + key] = str(len(value)).encode()
         fields[b"sha256:" + key] = hashlib.sha256(value).hexdigest().encode()
     await r.xadd(dead_stream, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+    # A consumer group's pending list may still name it: a read hands it out as deleted (no
+    # fields), which GroupReader acks. The caller acks it as before.
+    await r.xdel(entry.stream, entry.entry_id)
     log.warning(
         "dead_letter stream=%s id=%s error=%s", entry.stream, entry.entry_id.decode(), error
     )
