@@ -48,6 +48,7 @@ from observability import LedgerMetrics, get_logger, new_registry
 from services.config import LedgerConfig
 from services.startup import freeze_after_startup
 from services.transport import redis_streams, registry
+from services.transport.keys import STEPS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
 from services.wire.messages import (
     AbortRequest,
@@ -278,7 +279,7 @@ class Engine:
         # passed, and fenced in Redis by the write itself.
         await self.leadership.ensure()
         await self.leadership.append_fenced(
-            self.streams.steps(self.cfg.group), redis_streams.FIELD, encode(step), maxlen=10_000
+            self.streams.steps(self.cfg.group), redis_streams.FIELD, encode(step), STEPS_MAXLEN
         )
         self.in_flight.append((out, time.monotonic()))
 

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from engine.translate import Tracked, request_output
 from ledger.scheduler import RequestUpdate
 from services.transport import redis_streams
-from services.transport.keys import OUTPUTS_TTL_S, StreamNames
+from services.transport.keys import OUTPUTS_MAXLEN, OUTPUTS_TTL_S, StreamNames
 from services.wire.codec import encode
 from services.wire.messages import OutputBatch, RequestOutput
 
@@ -50,12 +50,14 @@ class GatewayOutputs:
             for gateway_id, outs in by_gateway.items():
                 stream = self.streams.outputs(gateway_id)
                 batch = encode(OutputBatch(outputs=outs))
-                pipe.xadd(stream, {redis_streams.FIELD: batch}, maxlen=100_000, approximate=True)
+                pipe.xadd(
+                    stream, {redis_streams.FIELD: batch}, maxlen=OUTPUTS_MAXLEN, approximate=True
+                )
                 pipe.expire(stream, OUTPUTS_TTL_S)
             await pipe.execute()
 
     async def send(self, gateway_id: str, out: RequestOutput) -> None:
         """One output at once (a rejection, an abort, an error), outside the step's batch."""
         stream = self.streams.outputs(gateway_id)
-        await redis_streams.append(self.r, stream, OutputBatch(outputs=[out]))
+        await redis_streams.append(self.r, stream, OutputBatch(outputs=[out]), OUTPUTS_MAXLEN)
         await self.r.expire(stream, OUTPUTS_TTL_S)

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from observability import get_logger
 from services.transport import redis_streams
-from services.transport.keys import OUTPUTS_TTL_S
+from services.transport.keys import OUTPUTS_TTL_S, REQUESTS_MAXLEN
 from services.wire import codec
 from services.wire.messages import GenerateRequest, OutputBatch, RequestOutput, TokenLogprobs
 
@@ -151,15 +151,17 @@ class OutputDispatcher:
         pipe.get(self.marker)
         pipe.xadd(
             stream, {redis_streams.FIELD: codec.encode(request)},
-            maxlen=redis_streams.STREAM_MAXLEN, approximate=True,
+            maxlen=REQUESTS_MAXLEN, approximate=True,
         )  # fmt: skip
         _, incarnation, _ = await pipe.execute()
-        self.observe(cast(bytes, incarnation), request.req_id)
+        self.observe(cast("bytes | None", incarnation), request.req_id)
 
-    def observe(self, incarnation: bytes, req_id: str | None = None) -> None:
+    def observe(self, incarnation: bytes | None, req_id: str | None = None) -> None:
         """The marker's value, as a command just read it (`req_id`: the request written with
         that read). A new value means Redis lost its data since the last one: the requests
         written to the old one fail."""
+        if incarnation is None:  # gone again between the SET and the GET: nothing learned
+            return
         if incarnation in self._lost_incarnations:
             # Written to a Redis since lost (its reply overtaken by a newer one): lost too.
             if req_id is not None:
@@ -203,7 +205,7 @@ class OutputDispatcher:
         pipe.expire(self.marker, self.marker_ttl_s)
         pipe.get(self.marker)
         *_, incarnation = await pipe.execute()
-        self.observe(cast(bytes, incarnation))
+        self.observe(cast("bytes | None", incarnation))
 
     async def _watch(self) -> None:
         # Finds a loss while no request is being enqueued (the requests waiting then fail).

@@ -24,6 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.transport import redis_client
+from services.transport.keys import DEAD_LETTERS_MAXLEN, REQUESTS_MAXLEN
 from services.wire import codec
 
 log = logging.getLogger(__name__)
@@ -160,11 +161,8 @@ def connect_pooled(
     return aioredis.Redis.from_pool(pool)
 
 
-STREAM_MAXLEN = 100_000  # the requests streams' cap (approximate: trimmed by whole nodes)
-
-
 async def append(
-    r: aioredis.Redis, stream: str, msg: codec.Message, maxlen: int | None = STREAM_MAXLEN
+    r: aioredis.Redis, stream: str, msg: codec.Message, maxlen: int | None = REQUESTS_MAXLEN
 ) -> bytes:
     """XADD one wire message; approximate MAXLEN trimming keeps the stream bounded cheaply."""
     # redis-py types replies as bytes | str; this client never decodes them.
@@ -184,7 +182,7 @@ class Entry:
 # SHA-256: enough to see what it was and to match it with a producer's log, while 10,000 dead
 # letters stay within ~20 MB however large the entries were (61 whole ones once took 202 MB).
 DEAD_LETTER_PREFIX_BYTES = 1024
-DEAD_LETTER_MAXLEN = 10_000
+DEAD_LETTER_MAXLEN = DEAD_LETTERS_MAXLEN
 
 
 async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: str) -> None:

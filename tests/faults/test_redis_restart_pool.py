@@ -4,8 +4,8 @@ Redis is killed (kill -9) and restarted empty on the same port; once the gateway
 200 (the ledger re-created its groups and wrote its status), bursts of concurrent requests all
 succeed: no 503 "cannot reach Redis" from a pooled connection that died with the old server.
 
-Without -m: one burst before, two after. The full version (`-m faults`) sends five after,
-streaming and not, with 300 in flight before the kill.
+Without -m: one burst of 96 before, two after. The full version (`-m faults`): a burst of 300
+before (a larger pool to go stale), five of 96 after.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ def _burst(url: str, size: int, stream: bool | None = None) -> list[Outcome]:
 
 
 def _restart_then_bursts(before: int, bursts: int) -> None:
-    # A queue deep enough for the burst, and a stall bound short enough that requests caught
-    # by the restart end (with an explicit error) before the bursts after it start.
+    # A queue deep enough for the largest burst.
     with fault_stack(env={"KVLEDGER_MAX_QUEUE": "1024"}) as (served, redis):
         expected = expected_texts(served.url)
         warm = _burst(served.url, before)  # the gateway's pool grows to about `before`
