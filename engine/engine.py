@@ -49,6 +49,7 @@ from observability import LedgerMetrics, get_logger, new_registry
 from services.config import LedgerConfig
 from services.startup import freeze_after_startup
 from services.transport import redis_streams, registry
+from services.transport.keys import STEPS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
 from services.wire.messages import (
     AbortRequest,
@@ -314,7 +315,7 @@ class Engine:
         # passed, and fenced in Redis by the write itself.
         await self.leadership.ensure()
         await self.leadership.append_fenced(
-            self.streams.steps(self.cfg.group), redis_streams.FIELD, encode(step), maxlen=10_000
+            self.streams.steps(self.cfg.group), redis_streams.FIELD, encode(step), STEPS_MAXLEN
         )
         self.in_flight.append((out, time.monotonic()))
 
@@ -411,7 +412,8 @@ class Engine:
         held = list(self.scheduler.requests)
         log.error("requests_failed_without_workers", requests=len(held), error=error)
         for request in self.scheduler.finish_requests(held, RequestStatus.FINISHED_ERROR):
-            await self._finish_tracking(request, failure_output(request, error))
+            # Not the request's fault, and a worker that comes back serves it: a 503 to retry.
+            await self._finish_tracking(request, failure_output(request, error, unavailable=True))
 
     # ------------------------------------------------------------------ requests in
 

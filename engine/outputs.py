@@ -9,15 +9,13 @@ from engine.leadership import Op, Writer
 from engine.translate import Tracked, request_output
 from ledger.scheduler import RequestUpdate
 from services.transport import redis_streams
-from services.transport.keys import OUTPUTS_TTL_S, StreamNames
+from services.transport.keys import OUTPUTS_MAXLEN, OUTPUTS_TTL_S, StreamNames
 from services.wire.codec import encode
 from services.wire.messages import OutputBatch, RequestOutput
 
-MAXLEN = 100_000
-
 
 def _ops(stream: str, batch: bytes) -> tuple[Op, Op]:
-    xadd = ("XADD", stream, "MAXLEN", "~", MAXLEN, "*", redis_streams.FIELD, batch)
+    xadd = ("XADD", stream, "MAXLEN", "~", OUTPUTS_MAXLEN, "*", redis_streams.FIELD, batch)
     return xadd, ("EXPIRE", stream, OUTPUTS_TTL_S)
 
 

@@ -180,9 +180,12 @@ def rejection(msg: GenerateRequest, problem: str) -> RequestOutput:
     )
 
 
-def failure_output(request: Request[Tracked], error: str) -> RequestOutput:
+def failure_output(
+    request: Request[Tracked], error: str, unavailable: bool = False
+) -> RequestOutput:
     """The final output of a request the ledger gave up on (finished as FINISHED_ERROR): its
-    client gets `error`."""
+    client gets `error` (a 503 to retry when `unavailable`: the service could not serve it
+    now)."""
     return RequestOutput(
         req_id=request.request_id,
         new_token_ids=[],
@@ -192,6 +195,7 @@ def failure_output(request: Request[Tracked], error: str) -> RequestOutput:
         error=error,
         num_prompt_tokens=request.num_prompt_tokens,
         num_preemptions=request.num_preemptions,
+        unavailable=unavailable,
     )
 
 

@@ -75,7 +75,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.StreamResponse:
     arrival = time.monotonic()
     gw.refuse_when_full()  # before reading: a full gateway answers a burst at once
-    raw = await _read_body(request, gw.config.body_timeout_s)
+    raw = await read_body(request, gw.config.body_timeout_s)
     # A large body is parsed off the loop, so that /health and the others keep answering.
     body = (
         parse_json(raw)
@@ -109,7 +109,7 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
             span.set_attributes(gens[0].span_attributes(total_usage(gens)))
 
 
-async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body within timeout_s: a client trickling it would hold a slot forever."""
     try:
         async with asyncio.timeout(timeout_s):

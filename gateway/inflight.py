@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 log = get_logger("gateway.inflight")
 
+RETRY_AFTER_S = 1  # what a 503 for a request the service could not serve now asks
 DISCONNECT_POLL_S = 0.5  # how soon a vanished client is noticed without handler cancellation
 
 
@@ -39,8 +40,15 @@ WORKER_FAILED_PREFIX = "the worker failed on this request"
 class GenerationError(ApiError):
     """Ends an accepted request; `abort_reason` is what the ledger is told (None: it knows)."""
 
-    def __init__(self, status: int, message: str, err_type: str, abort_reason: str | None):
-        super().__init__(status, message, err_type=err_type)
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        err_type: str,
+        abort_reason: str | None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(status, message, err_type=err_type, headers=headers)
         self.abort_reason = abort_reason
 
 
@@ -117,7 +125,7 @@ class Generation:
         # Set first: an XADD cut short (cancelled, or its reply lost) may still have landed.
         self._enqueued = True
         try:
-            await self.gw.send(request, self.replica)
+            await self.gw.enqueue(request, self.replica)
         except BaseException as exc:
             await self.__aexit__(type(exc), exc, None)
             raise
@@ -189,7 +197,7 @@ class Generation:
             final = self.tracker.final
             if final is not None and final.finish_reason == "error":
                 self.finish_reason = "error"
-                raise ledger_failure(final.error or "no detail given")
+                raise ledger_failure(final.error or "no detail given", final.unavailable)
             check = len(self.tracker.token_ids) > self.job.min_tokens
             text = self.stops.push(self._text(new_ids), final=final is not None, check=check)
             if self.stops.matched is not None:
@@ -305,10 +313,17 @@ def _abort_reason(exc: BaseException) -> str:
     return "gateway_error"
 
 
-def ledger_failure(detail: str) -> GenerationError:
+def ledger_failure(detail: str, unavailable: bool = False) -> GenerationError:
     """The ledger's explicit error for one request: the request's own fault (a field the
-    ledger refused, or settings a worker could not sample with) is a 400, the rest a 500."""
+    ledger refused, or settings a worker could not sample with) is a 400; what the service
+    could not do now (no live worker, Redis lost the request) a 503 with Retry-After; the
+    rest a 500."""
     message = f"the ledger failed the request: {detail}"
+    if unavailable:
+        return GenerationError(
+            503, message, "service_unavailable_error", None,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )  # fmt: skip
     if detail.startswith(LEDGER_FIELD_PREFIX) or detail.startswith(WORKER_FAILED_PREFIX):
         return GenerationError(400, message, "invalid_request_error", None)
     return GenerationError(500, message, "server_error", None)

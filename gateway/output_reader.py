@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable
 from typing import cast
 
@@ -16,9 +17,9 @@ from redis.exceptions import RedisError
 
 from observability import get_logger
 from services.transport import redis_streams
-from services.transport.keys import GATEWAY_LEASE_S, OUTPUTS_TTL_S
+from services.transport.keys import GATEWAY_LEASE_S, OUTPUTS_TTL_S, REQUESTS_MAXLEN
 from services.wire import codec
-from services.wire.messages import OutputBatch, RequestOutput, TokenLogprobs
+from services.wire.messages import GenerateRequest, OutputBatch, RequestOutput, TokenLogprobs
 
 log = get_logger("gateway.output_reader")
 
@@ -77,6 +78,9 @@ class TokenTracker:
             self.final = out
 
 
+LOST_BY_REDIS = "Redis restarted without its data and lost this request; retry it"
+
+
 class OutputDispatcher:
     """Tails `{prefix}:outputs:{gateway_id}` with plain XREAD and routes outputs by req_id.
 
@@ -84,6 +88,13 @@ class OutputDispatcher:
     concrete id so that nothing appended between start-up and the first read is lost). Outputs
     for unknown requests (their client is gone) are dropped; entries that do not parse go to the
     dead-letter stream.
+
+    Redis losing its data (a restart without persistence) is seen through a marker key this
+    gateway keeps in the replica's slot, holding a random "incarnation" id: whoever finds it
+    gone (a request being enqueued, or the once-a-second watch) sets a new one. Each request is
+    enqueued in one pipeline with the marker's read, so it knows the incarnation that holds it;
+    when the incarnation changes, exactly the requests written to the old one fail (503, retry)
+    and those already written to the new one go on.
     """
 
     def __init__(
@@ -115,6 +126,9 @@ class OutputDispatcher:
         self.marker_ttl_s = marker_ttl_s
         self.watch_interval_s = min(watch_interval_s, marker_ttl_s / 3)
         self.data_losses = 0
+        self.incarnation: bytes | None = None  # the marker's value: which Redis holds our data
+        self._lost_incarnations: set[bytes] = set()
+        self._written_to: dict[str, bytes] = {}  # req_id -> the incarnation its request is in
 
     def register(self, req_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -123,6 +137,48 @@ class OutputDispatcher:
 
     def unregister(self, req_id: str) -> None:
         self.queues.pop(req_id, None)
+        self._written_to.pop(req_id, None)
+
+    @property
+    def marker_ttl_ms(self) -> int:
+        return max(int(self.marker_ttl_s * 1000), 100)
+
+    async def enqueue(self, stream: str, request: GenerateRequest) -> None:
+        """XADD the request, reading the marker on the same connection first (one round trip):
+        both run on one Redis, whose incarnation the request is then known to be in."""
+        if self.marker is None:
+            await redis_streams.append(self.redis, stream, request)
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.marker, uuid.uuid4().hex.encode(), nx=True, px=self.marker_ttl_ms)
+        pipe.get(self.marker)
+        pipe.xadd(
+            stream, {redis_streams.FIELD: codec.encode(request)},
+            maxlen=REQUESTS_MAXLEN, approximate=True,
+        )  # fmt: skip
+        _, incarnation, _ = await pipe.execute()
+        self.observe(cast("bytes | None", incarnation), request.req_id)
+
+    def observe(self, incarnation: bytes | None, req_id: str | None = None) -> None:
+        """The marker's value, as a command just read it (`req_id`: the request written with
+        that read). A new value means Redis lost its data since the last one: the requests
+        written to the old one fail."""
+        if incarnation is None:  # gone again between the SET and the GET: nothing learned
+            return
+        if incarnation in self._lost_incarnations:
+            # Written to a Redis since lost (its reply overtaken by a newer one): lost too.
+            if req_id is not None:
+                self._fail([req_id])
+            return
+        if self.incarnation is not None and incarnation != self.incarnation:
+            self._lost_incarnations.add(self.incarnation)
+            lost = [r for r, seen in self._written_to.items() if seen != incarnation]
+            self.data_losses += 1
+            log.error("redis_data_lost", stream=self.stream, failed_requests=len(lost))
+            self._fail(lost)
+        self.incarnation = incarnation
+        if req_id is not None and req_id in self.queues:
+            self._written_to[req_id] = incarnation
 
     def broadcast(self, item: object) -> None:
         for queue in self.queues.values():
@@ -133,7 +189,7 @@ class OutputDispatcher:
         self._last_id = cast(bytes, tail[0][0]) if tail else b"0-0"
         self._task = asyncio.create_task(self._run(), name=f"outputs:{self.stream}")
         if self.marker is not None:
-            await self._marker_missing()
+            await self._check_marker()
             self._watch_task = asyncio.create_task(self._watch(), name=f"watch:{self.marker}")
 
     async def stop(self) -> None:
@@ -144,34 +200,37 @@ class OutputDispatcher:
                     await task
         self._task = self._watch_task = None
 
-    async def _marker_missing(self) -> bool:
-        """Set the marker (renewing its expiry); True when it was not there."""
+    async def _check_marker(self) -> None:
+        """Read the marker (setting a new incarnation where it is gone) and renew its expiry."""
         assert self.marker is not None
-        ttl_ms = max(int(self.marker_ttl_s * 1000), 100)
-        return await self.redis.set(self.marker, b"1", px=ttl_ms, get=True) is None
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.marker, uuid.uuid4().hex.encode(), nx=True, px=self.marker_ttl_ms)
+        pipe.pexpire(self.marker, self.marker_ttl_ms)
+        pipe.get(self.marker)
+        *_, incarnation = await pipe.execute()
+        self.observe(cast("bytes | None", incarnation))
 
     async def _watch(self) -> None:
+        # Finds a loss while no request is being enqueued (the requests waiting then fail).
         while True:
             await asyncio.sleep(self.watch_interval_s)
             try:
-                lost = await self._marker_missing()
+                await self._check_marker()
             except (RedisError, OSError):
                 continue  # the reader's loop reports the outage
-            if lost:
-                self.fail_all(
-                    "this gateway's marker key was gone: Redis restarted without its data, or "
-                    f"the gateway could not renew it for {self.marker_ttl_s:g}s "
-                    "(--gateway-lease-s) and the ledger aborted its requests; retry it"
-                )
 
-    def fail_all(self, error: str) -> None:
-        """End every waiting request with an explicit error (it may have been lost)."""
-        self.data_losses += 1
-        log.error("redis_data_lost", stream=self.stream, failed_requests=len(self.queues))
-        for req_id, queue in list(self.queues.items()):
-            queue.put_nowait(
-                RequestOutput(req_id, [], finished=True, finish_reason="error", error=error)
-            )
+    def _fail(self, req_ids: list[str]) -> None:
+        """End these waiting requests with an explicit error: Redis lost them (a 503)."""
+        for req_id in req_ids:
+            self._written_to.pop(req_id, None)
+            queue = self.queues.get(req_id)
+            if queue is not None:
+                queue.put_nowait(
+                    RequestOutput(
+                        req_id, [], finished=True, finish_reason="error", error=LOST_BY_REDIS,
+                        unavailable=True,
+                    )
+                )  # fmt: skip
 
     async def _run(self) -> None:
         refreshed = 0.0

@@ -128,6 +128,10 @@ class GatewayRouting:
     def requests_stream(self, replica: str | None) -> str:
         return self.replicas.get(replica or "", self.primary).requests
 
+    def dispatcher(self, replica: str | None) -> OutputDispatcher:
+        """The outputs reader of `replica` (None or unknown: the first)."""
+        return self.dispatchers.get(replica or "", self.outputs)
+
     def route(self, job: Job, req_id: str) -> str:
         """The replica that gets this request (503 when every replica is out); it counts as
         pending there until `release`."""

@@ -27,7 +27,7 @@ from services.config import GatewayConfig
 from services.startup import freeze_after_startup
 from services.tokenization.tokenizer import Tokenizer
 from services.transport import redis_streams
-from services.wire.messages import AbortRequest, LedgerStatus
+from services.wire.messages import AbortRequest, GenerateRequest, LedgerStatus
 
 log = get_logger("gateway")
 
@@ -214,6 +214,13 @@ class Gateway:
             raise ApiError(
                 503, "the gateway is shutting down", err_type="service_unavailable_error"
             )
+
+    async def enqueue(self, request: GenerateRequest, replica: str | None = None) -> None:
+        """A request to the requests stream of `replica`, noting which Redis took it: if Redis
+        loses its data afterwards, the request fails as lost (and none written after does)."""
+        await self.routing.dispatcher(replica).enqueue(
+            self.routing.requests_stream(replica), request
+        )
 
     async def send(self, msg: Any, replica: str | None = None) -> None:
         """To the requests stream of `replica` (routing's choice; None: the first replica)."""

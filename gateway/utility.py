@@ -1,5 +1,8 @@
 """The utility endpoints vLLM serves beside generation: /tokenize, /detokenize, /version, /ping,
 GET /v1/models/{model_id} and /openapi.json.
+
+/tokenize and /detokenize read their body under the same deadline as generation
+(--body-timeout-s, 408 past it). As in vLLM, which guards only /v1, they need no API key.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from aiohttp import web
 
 from gateway.chat import read_chat_prompt
 from gateway.fields import ApiError, bad_request, read_bool, read_model, read_token_ids
+from gateway.generate import read_body
 from gateway.openapi import openapi_document
 from gateway.protocol import parse_json
 from gateway.state import Gateway
@@ -28,7 +32,7 @@ CHAT_ONLY_FIELDS = (
 def add_utility_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -> None:
     async def tokenize(request: web.Request) -> web.Response:
         gw = request.app[gateway_key]
-        body = parse_json(await request.read())
+        body = parse_json(await read_body(request, gw.config.body_timeout_s))
         limits = gw.limits(await gw.ledger_status())
         _check_model(body, limits.model_name)
         ids = await asyncio.to_thread(_tokenize, gw, body)
@@ -44,7 +48,7 @@ def add_utility_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -
 
     async def detokenize(request: web.Request) -> web.Response:
         gw = request.app[gateway_key]
-        body = parse_json(await request.read())
+        body = parse_json(await read_body(request, gw.config.body_timeout_s))
         check_fields(body, DETOKENIZE_FIELDS)
         limits = gw.limits(await gw.ledger_status())
         _check_model(body, limits.model_name)

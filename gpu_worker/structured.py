@@ -8,10 +8,19 @@ worker sampled, a token the ledger sent, and a whole output replayed after a pre
 request comes back as new, with a fresh matcher) all take the same path. The masks of a step are
 computed together (llguidance's executor, in parallel threads, into one int32 bitmask) and
 applied with one masked_fill over the rows that have a grammar.
+
+Forcing: where the grammar allows one byte only, llguidance computes the whole forced run ahead
+and masks to its canonical token. A grammar that forces bytes for ever (`start: "a" start`)
+makes that run endless: llguidance stops at its item limit and puts the matcher in an error
+state, although the token it had allowed was fine. Such a matcher is rebuilt with forcing off
+(`%llguidance {"no_forcing": true}`: the same language, the model picks the tokenization) and
+replayed over the output so far, so the request goes on under its grammar to max_tokens
+(`length`) instead of ending on an EOS (`stop`) after text the grammar does not accept.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +38,33 @@ class GrammarError(ValueError):
     """A structured-output grammar this worker cannot build a matcher for."""
 
 
+NO_FORCING = '%llguidance {"no_forcing": true}\n'
+
+
+def without_forcing(grammar: str) -> str:
+    """The same grammar with llguidance's forcing off: a Lark text gets the option line; the
+    JSON form (regex, JSON schema) has each of its grammars written as Lark with it."""
+    if not grammar.lstrip().startswith("{"):
+        return NO_FORCING + grammar
+    top = json.loads(grammar)
+    for item in top.get("grammars", []):
+        if item.get("lark_grammar") is not None:
+            item["lark_grammar"] = NO_FORCING + item["lark_grammar"]
+        elif item.get("json_schema") is not None:
+            item["lark_grammar"] = NO_FORCING + "start: %json " + json.dumps(item["json_schema"])
+            item["json_schema"] = None
+    return json.dumps(top)
+
+
 @dataclass(slots=True)
 class GrammarState:
     """One request's matcher and how many of its output tokens the matcher has consumed."""
 
     matcher: llguidance.LLMatcher
     consumed: int = 0
+    # To rebuild the matcher without forcing (None: it already is, or cannot be rebuilt).
+    tokenizer: llguidance.LLTokenizer | None = None
+    grammar: str | None = None
 
     def sync(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """Consume the output tokens the matcher has not seen yet."""
@@ -45,6 +75,21 @@ class GrammarState:
             # could send one) leaves the matcher in its error state: see mask_row.
             self.matcher.consume_tokens(new)
             self.consumed += len(new)
+            if self.matcher.is_error():
+                self.unforce(token_ids[num_prompt_tokens:])
+
+    def unforce(self, output: Sequence[int]) -> bool:
+        """A matcher in its error state, rebuilt with forcing off and replayed over `output`
+        (the tokens it consumed): True when that one is sound, so the error was forcing's
+        limit, not a token the grammar refuses. Done at most once per request."""
+        if self.tokenizer is None or self.grammar is None:
+            return False
+        matcher = llguidance.LLMatcher(self.tokenizer, without_forcing(self.grammar), log_level=0)
+        self.tokenizer = self.grammar = None
+        if matcher.is_error() or not matcher.consume_tokens(list(output)):
+            return False
+        self.matcher, self.consumed = matcher, len(output)
+        return True
 
 
 @dataclass(slots=True)
@@ -78,7 +123,7 @@ class StructuredOutputs:
         matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"structured output ({spec.kind}): {matcher.get_error()}")
-        return GrammarState(matcher)
+        return GrammarState(matcher, tokenizer=self.tokenizer, grammar=spec.grammar)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[GrammarRow]) -> None:
         """Mask, in place, every token the row's grammar does not allow next."""
@@ -106,6 +151,22 @@ class StructuredOutputs:
             self._executor.unsafe_compute_mask_ptr(
                 matchers, bitmask.data_ptr(), words * 4, len(constrained)
             )
+            # A mask can hit forcing's limit too (the row then allows EOS only): rebuilt
+            # without forcing, that row is computed again.
+            again = []
+            for matcher, j in matchers:
+                if matcher.is_error():
+                    i = constrained[j]
+                    state = rows[i].grammar
+                    assert state is not None
+                    output = rows[i].token_ids[rows[i].num_prompt_tokens :]
+                    if state.unforce(output):
+                        bitmask[j] = -1
+                        again.append((state.matcher, j))
+            if again:
+                self._executor.unsafe_compute_mask_ptr(
+                    again, bitmask.data_ptr(), words * 4, len(constrained)
+                )
         allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
         index = torch.tensor(constrained, dtype=torch.long, device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -34,6 +34,7 @@ from observability import Attr, SpanName, get_logger, links_from_traceparents, t
 from services.config import WorkerConfig
 from services.startup import StartupError, freeze_after_startup
 from services.transport import redis_streams, registry
+from services.transport.keys import RESULTS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
 from services.wire.messages import StepMessage, StepResult, WorkerHello, WorkerShutdown
 
@@ -221,7 +222,7 @@ class WorkerService:
             pipe.xadd(
                 self.cfg.streams.results,
                 {redis_streams.FIELD: encode(result)},
-                maxlen=10_000,
+                maxlen=RESULTS_MAXLEN,
                 approximate=True,
             )
             pipe.xack(self.steps_stream, self.reader.group, entry.entry_id)

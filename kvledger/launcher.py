@@ -33,10 +33,16 @@ from services.config import (
     parse_kv_events_config,
 )
 from services.environment import ConfigError, env, read_redis_url_file, redact_url
+from services.lifeline import Lifeline
 from services.tokenization.model_source import DEFAULT_MODEL, ModelSourceError, resolve_model
 from services.transport import redis_client, redis_streams
 from services.transport.keys import StreamNames
-from services.transport.redis_server import RedisServer, RedisServerError, free_port
+from services.transport.redis_server import (
+    RedisServer,
+    RedisServerError,
+    free_port,
+    remove_stale,
+)
 from services.wire import codec
 from services.wire.messages import LedgerStatus
 
@@ -200,8 +206,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"kvledger up: {exc}", file=sys.stderr)
         return 2
     if not redis_url:
+        for folder in remove_stale():
+            print(
+                f"kvledger up: removed {folder}, left by a kvledger up that was killed", flush=True
+            )
         try:
-            server = RedisServer().start()
+            server = RedisServer(owned=True).start()
         except RedisServerError as exc:
             print(f"kvledger up: {exc}", file=sys.stderr)
             return 2
@@ -225,6 +235,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     env_ = _child_env(args, redis_url, metrics_port)
     prefix = env_.get("KVLEDGER_STREAM_PREFIX", "kvl")
     routing = args.routing or env_.get("KVLEDGER_ROUTING", "precise")
+    lifeline = Lifeline()  # every child dies with this process, even one killed with SIGKILL
     supervisor = Supervisor(
         [
             Child(
@@ -236,7 +247,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 env_, replicas, ports, args.tensor_parallel_size, kv_events
             )
             for role in [name.split("-")[0]]
-        ]
+        ],
+        lifeline=lifeline,
     )
     supervisor.install_signal_handlers()
     try:
@@ -270,6 +282,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         supervisor.stop()
+        lifeline.close()
         if server is not None:
             server.stop()
 

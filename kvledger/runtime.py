@@ -21,6 +21,7 @@ from observability import (
 )
 from services.config import CommonConfig
 from services.environment import ConfigError, env, redact_url, redis_password, secret_values
+from services.lifeline import watch_parent
 from services.startup import StartupError, run_event_loop
 
 
@@ -64,6 +65,8 @@ def run_role(
     log = get_logger(f"kvledger.{role}")
     require_redis_url(config, role)
     setup_observability(role, config)
+    # Started by `kvledger up`: stop when it is gone, even killed with SIGKILL.
+    watch_parent(lambda why: log.warning("launcher_gone", reason=why))
 
     async def runner() -> int:
         task = asyncio.create_task(serve(config))

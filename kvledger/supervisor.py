@@ -2,6 +2,9 @@
 exponential backoff, until the operator stops the stack (Ctrl-C, SIGTERM, or SIGINT sent to a
 background `kvledger up`).
 
+Each child dies with the launcher, even a launcher killed with SIGKILL (services/lifeline.py):
+the kernel's parent-death signal, and a pipe the child watches.
+
 A crash loop backs off up to `max_backoff_s`; a child that stayed up `stable_after_s` starts
 over from the shortest delay. Every restart is printed (one line: which child, its exit code,
 the delay and how many restarts so far), so an operator sees a flapping service.
@@ -17,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
+
+from services.lifeline import Lifeline
 
 STOP_ORDER = ("gateway", "worker", "ledger")  # the gateway first: it aborts in-flight requests
 
@@ -53,8 +58,10 @@ class Supervisor:
         stable_after_s: float = 30.0,
         out: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        lifeline: Lifeline | None = None,
     ) -> None:
         self.children = {c.role: c for c in children}
+        self.lifeline = lifeline
         self.min_backoff_s = min_backoff_s
         self.max_backoff_s = max_backoff_s
         self.stable_after_s = stable_after_s
@@ -131,7 +138,10 @@ class Supervisor:
                     child.process.wait(timeout=5)
 
     def _spawn(self, child: Child) -> None:
-        child.process = subprocess.Popen(child.command, env=child.env)
+        if self.lifeline is not None:
+            child.process = subprocess.Popen(child.command, **self.lifeline.popen_kwargs(child.env))  # type: ignore[call-overload]
+        else:
+            child.process = subprocess.Popen(child.command, env=child.env)
         child.started_at = self.clock()
 
     def _say(self, line: str) -> None:

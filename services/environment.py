@@ -72,6 +72,8 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_KERNEL_LIB": "a prebuilt libkvledger_kernels.so to load instead of building one",
     "KVLEDGER_NVCC": "the nvcc to build the CUDA kernels with (default: PATH, CUDA_HOME)",
     "KVLEDGER_TORCH_SPEC": "the torch requirement scripts/bootstrap.sh installs (default torch==2.13.0)",
+    "KVLEDGER_PARENT_FD": "set by `kvledger up` for its children, not by operators: a pipe whose "
+    "end tells a child its launcher is gone (services/lifeline.py)",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "OTLP endpoint for traces, e.g. http://jaeger:4318 (unset: off)",
     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf (default) or grpc",
     "OTEL_TRACES_EXPORTER": "set to console to print spans instead of exporting them",

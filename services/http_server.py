@@ -13,7 +13,7 @@ import json
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -143,11 +143,14 @@ class _Refusal(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.write(self._response)
-        if transport.can_write_eof():
-            transport.write_eof()
-        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        # A stream transport by its methods, not its class: uvloop's TCPTransport (the
+        # services' default loop) is no subclass of asyncio.Transport, and an isinstance check
+        # here failed every refusal into a reset.
+        stream = cast(asyncio.WriteTransport, transport)
+        stream.write(self._response)
+        if stream.can_write_eof():
+            stream.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, stream.close)
 
     def data_received(self, data: bytes) -> None:
         pass  # the request is not read: it was refused before it arrived

@@ -13,6 +13,17 @@ OUTPUTS_TTL_S = 600
 # is gone means the gateway is dead (or Redis lost its data), and a ledger aborts its requests.
 GATEWAY_LEASE_S = 15.0
 
+# Every stream's cap, in entries (XADD MAXLEN ~: Redis trims whole listpack nodes of up to 100
+# entries, so a stream may hold up to a node more). The KV-events stream's is a memory budget
+# instead (--kv-events-max-mb). docs/operations.md's Redis sizing table multiplies these by the
+# measured entry sizes (benchmarks/redis_sizing.py), and tests/services/transport/
+# test_redis_sizing.py fills every stream to its cap to hold the table to what Redis uses.
+REQUESTS_MAXLEN = 100_000  # per replica: requests and aborts from every gateway
+OUTPUTS_MAXLEN = 100_000  # per replica and gateway: one entry per step with its outputs
+STEPS_MAXLEN = 10_000  # per replica and worker group: one entry per step
+RESULTS_MAXLEN = 10_000  # per replica: one entry per step and worker
+DEAD_LETTERS_MAXLEN = 10_000  # per replica
+
 
 @dataclass(slots=True)
 class StreamNames:

@@ -1,6 +1,14 @@
 """The one place a Redis client is built: one server (`redis://`, `rediss://`, `unix://`) or a
 Redis Cluster (`redis+cluster://host:port[,host:port...]`, `rediss+cluster://` for TLS).
 
+Every client is built with redis-py's maintenance notifications off (they serve Redis
+Enterprise's live migrations, which kvledger does not follow). While they are on, and redis-py 8
+turns them on by default ("auto"), its pools skip the check that finds a pooled connection dead
+before a command is sent on it: after a Redis restart every connection that died with the old
+server was handed out once more and failed its command ("Connection closed by server") although
+the new server answered. With the check, a dead connection is replaced, and no command is sent
+twice (no retry of a command that may have run).
+
 On a cluster every command that names several keys must name keys of one hash slot. kvledger's
 keys carry their replica's name as a hash tag (`kvl:{r0}:...`, services.transport.keys.StreamNames), and
 no command mixes two replicas' keys: one XREADGROUP over a ledger's or worker's streams, one
@@ -17,6 +25,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
+
+try:  # redis-py 7 and later; older ones have no maintenance notifications to turn off
+    from redis.maint_notifications import MaintNotificationsConfig
+except ImportError:  # pragma: no cover
+    MaintNotificationsConfig = None  # type: ignore[assignment,misc]
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -41,8 +54,17 @@ def _cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
     return plain, seeds
 
 
+def client_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with what every kvledger client sets: maintenance notifications off, so a
+    pooled connection that died is found dead before use (see the module's docstring)."""
+    if MaintNotificationsConfig is not None:
+        kwargs.setdefault("maint_notifications_config", MaintNotificationsConfig(enabled=False))
+    return kwargs
+
+
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     """An asyncio client for `url`; replies stay bytes."""
+    client_options(kwargs)
     # redis-py 8 defaults socket_timeout to 5 s, which would cut every XREAD BLOCK longer than
     # that; blocking reads carry their own timeout, so the socket gets none.
     kwargs.setdefault("socket_timeout", None)
@@ -65,6 +87,7 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
 
 def connect_sync(url: str, **kwargs: Any) -> redis.Redis:
     """A blocking client, for the launcher's start-up checks and the worker's heartbeat thread."""
+    client_options(kwargs)
     if not is_cluster_url(url):
         return redis.Redis.from_url(url, **kwargs)
     plain, seeds = _cluster_seeds(url)

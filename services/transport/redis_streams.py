@@ -2,8 +2,9 @@
 
 Conventions: a message is one stream entry with a single field `m` holding the wire bytes
 (`services.wire.codec`); KV events use field `batch`. Readers ack an entry only after its work is
-done. An entry that does not parse is copied to the dead-letter stream (with the error and the
-source stream) and acked, so one bad producer cannot wedge a service.
+done. An entry that does not parse is copied to the dead-letter stream (truncated, with the error
+and the source stream), deleted from its source and acked, so one bad producer cannot wedge a
+service nor fill Redis.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.transport import redis_client
+from services.transport.keys import DEAD_LETTERS_MAXLEN, REQUESTS_MAXLEN
 from services.wire import codec
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,7 @@ def connect_pooled(
     with no such cap, so it is built as any other."""
     if redis_client.is_cluster_url(url):
         return redis_client.connect(url, **kwargs)
+    redis_client.client_options(kwargs)
     kwargs.setdefault("socket_timeout", None)
     kwargs.setdefault("socket_connect_timeout", 5)
     kwargs.setdefault("health_check_interval", 30)
@@ -159,7 +162,7 @@ def connect_pooled(
 
 
 async def append(
-    r: aioredis.Redis, stream: str, msg: codec.Message, maxlen: int | None = 100_000
+    r: aioredis.Redis, stream: str, msg: codec.Message, maxlen: int | None = REQUESTS_MAXLEN
 ) -> bytes:
     """XADD one wire message; approximate MAXLEN trimming keeps the stream bounded cheaply."""
     # redis-py types replies as bytes | str; this client never decodes them.
@@ -179,10 +182,13 @@ class Entry:
 # SHA-256: enough to see what it was and to match it with a producer's log, while 10,000 dead
 # letters stay within ~20 MB however large the entries were (61 whole ones once took 202 MB).
 DEAD_LETTER_PREFIX_BYTES = 1024
-DEAD_LETTER_MAXLEN = 10_000
+DEAD_LETTER_MAXLEN = DEAD_LETTERS_MAXLEN
 
 
 async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: str) -> None:
+    """Copy a bad entry (truncated) to the dead letters, then delete it from its source
+    stream: left there whole, one 10 MB entry held 10 MB of Redis until trimming reached it,
+    and every other reader of that stream would dead-letter it again."""
     fields: dict[Any, Any] = {
         b"source_stream": entry.stream.encode(),
         b"source_id": entry.entry_id,
@@ -194,6 +200,9 @@ async def dead_letter(r: aioredis.Redis, dead_stream: str, entry: Entry, error: 
         fields[b"size:" + key] = str(len(value)).encode()
         fields[b"sha256:" + key] = hashlib.sha256(value).hexdigest().encode()
     await r.xadd(dead_stream, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+    # A consumer group's pending list may still name it: a read hands it out as deleted (no
+    # fields), which GroupReader acks. The caller acks it as before.
+    await r.xdel(entry.stream, entry.entry_id)
     log.warning(
         "dead_letter stream=%s id=%s error=%s", entry.stream, entry.entry_id.decode(), error
     )

@@ -205,6 +205,9 @@ class RequestOutput(Record, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
     # Positions 1.. of the prompt (position 0 has none), with the output at position 0.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # With finish_reason "error": the service could not serve it now (no live worker, Redis
+    # lost it), not the request's fault nor a crash: the client gets a 503 with Retry-After.
+    unavailable: bool = False
 
 
 class OutputBatch(Message, tag="outputs"):

@@ -109,10 +109,12 @@ def launch(
     extra_args: tuple[str, ...] = (),
     startup_timeout: float = 90.0,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Served:
-    """Start `kvledger up` on the CPU and return at once; `serving` waits for it and stops it.
-    `model_dir` None: no --model flag, so the stack serves its default model."""
-    port = free_port()
+    """Start `kvledger up` on the CPU (on `port`, or a free one) and return at once; `serving`
+    waits for it and stops it. `model_dir` None: no --model flag, so the stack serves its
+    default model."""
+    port = port or free_port()
     flags = [
         *(["--model", str(model_dir)] if model_dir is not None else []),
         "--port",

@@ -135,6 +135,32 @@ async def test_preempted_requests_resume_their_grammar(redis_url, tiny_model):
         await stack.stop()
 
 
+async def test_a_grammar_that_never_ends_finishes_with_length_and_text_it_accepts(
+    redis_url, tiny_model
+):
+    # No string ends `start: "a" start`: the answer is max_tokens of it, finish_reason
+    # "length", streamed or not, never "stop" after text the grammar refuses.
+    stack = await Stack(redis_url, tiny_model, num_blocks=64).start()
+    grammar = 'start: "a" start'
+    try:
+        async with gateway_on(stack) as client:
+            for sampling in GREEDY_AND_SEEDED:
+                body = {"prompt": "Say:", "max_tokens": 24, **sampling,
+                        "structured_outputs": {"grammar": grammar}}  # fmt: skip
+                resp = await client.post("/v1/completions", json=body)
+                payload = await resp.json()
+                assert resp.status == 200, payload
+                choice = payload["choices"][0]
+                assert (choice["text"], choice["finish_reason"]) == ("a" * 24, "length"), choice
+                resp = await client.post("/v1/completions", json={**body, "stream": True})
+                events = await read_sse(resp)
+                streamed = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+                finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+                assert streamed == "a" * 24 and finishes[-1] == "length", events[-3:]
+    finally:
+        await stack.stop()
+
+
 async def _texts(client, route: str, body: dict) -> list[str]:
     resp = await client.post(route, json=body)
     payload = await resp.json()

@@ -18,11 +18,11 @@ from services.wire.messages import GenerateRequest, SamplingParams
 from tests.harness.stack import GATEWAY, Stack
 
 
-def _stored(rng: random.Random, blocks: int) -> BlockStored:
+def _stored(rng: random.Random, blocks: int, vocab: int = 32_000) -> BlockStored:
     return BlockStored(
         block_hashes=[rng.getrandbits(63) for _ in range(blocks)],
         parent_block_hash=rng.getrandbits(63),
-        token_ids=[rng.randrange(32_000) for _ in range(16 * blocks)],
+        token_ids=[rng.randrange(vocab) for _ in range(16 * blocks)],
         block_size=16,
         lora_id=None,
         medium="GPU",
@@ -49,6 +49,31 @@ async def test_the_kv_events_stream_stays_within_its_memory_budget(redis_url):
         # Approximate trimming drops whole listpack nodes, so the stream may overshoot a bit.
         assert used <= 1.25 * budget, (used, length, events.maxlen)
         assert used >= 0.5 * budget  # and it keeps what the budget allows, not a token amount
+    finally:
+        await r.delete(streams.events)
+        await r.aclose()
+
+
+async def test_the_budget_holds_for_large_kv_event_entries(redis_url):
+    # Entries of ~2.5 KB (a prefill's stored blocks with a large vocabulary's token ids): Redis
+    # keeps each in an allocation rounded up to its size class, hundreds of bytes over the
+    # payload, so a budget divided by the payload plus a fixed overhead let the stream grow
+    # ~15% past it. The publisher measures what Redis holds per entry instead.
+    r = redis_streams.connect(redis_url)
+    streams = StreamNames(f"b{uuid.uuid4().hex[:6]}", "default")
+    budget = 8_000_000
+    events = KVEventStream(
+        r, streams, max_bytes=budget, snapshot_interval_s=1e9, block_size=16, hash_algo="sha256"
+    )
+    pool = BlockPool(8, enable_caching=True)
+    rng = random.Random(1)
+    batches = [[_stored(rng, 28, vocab=128_256)] for _ in range(32)]
+    try:
+        for i in range(4 * budget // 2500):
+            await events.publish(batches[i % len(batches)], pool, "e.1")
+        used = await r.memory_usage(streams.events, samples=0)
+        assert 2000 < events._entry_bytes / events.batches < 3500  # the entries meant
+        assert 0.85 * budget <= used <= 1.05 * budget, (used, events.maxlen)
     finally:
         await r.delete(streams.events)
         await r.aclose()

@@ -26,6 +26,9 @@ import pytest
 
 from services.transport.redis_server import _ping, find_redis_server, free_port
 from tests.e2e.conftest import Served, launch, metric_value
+from tests.harness.fixtures import redis_url, tiny_model
+
+__all__ = ["redis_url", "tiny_model"]  # for the fault tests that run the stack in process
 
 BOUND_S = 45.0  # a request in flight during a fault ends within this (recovery + recompute)
 MODEL = "kvledger-tiny-llama"

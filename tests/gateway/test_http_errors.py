@@ -179,6 +179,9 @@ async def test_api_key_is_required_on_v1_when_set(start_gateway, start_ledger, n
     assert resp.status == 200
     assert (await client.get("/v1/models", headers=ok)).status == 200
     assert (await client.get("/health")).status == 200  # probes need no key
+    # As vLLM, which guards only /v1: the utility routes need no key either.
+    assert (await client.post("/tokenize", json={"prompt": "hi"})).status == 200
+    assert (await client.post("/detokenize", json={"tokens": [104, 105]})).status == 200
 
 
 async def test_no_ledger_gets_503_after_waiting(start_gateway):

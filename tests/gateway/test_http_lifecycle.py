@@ -280,3 +280,34 @@ async def test_a_ledger_error_the_request_caused_gives_400(start_gateway, start_
     body = await resp.json()
     assert_error(body, None, f"the ledger failed the request: {error}")
     assert body["error"]["type"] == "invalid_request_error"
+
+
+async def _forget_everything(redis, prefix: str) -> None:
+    """What a Redis restarted without its data looks like to this test's keys."""
+    keys = [key async for key in redis.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await redis.delete(*keys)
+
+
+async def test_redis_data_loss_fails_the_requests_it_lost_and_no_later_one(
+    start_gateway, start_ledger, redis, prefix
+):
+    # A request sent before Redis lost its data was lost with it: it fails at once, with a 503
+    # the client may retry. One sent after, to the emptied Redis, is served: the gateway learns
+    # of the loss from the request that finds its marker gone, not from a timer that would fail
+    # every request waiting when it ticks, those that Redis did keep included.
+    ledger = await start_ledger(Script(delay_s=0.15))
+    client = await start_gateway(request_timeout_s=20.0)
+    body = {"prompt": "x", "max_tokens": 8}
+    before = asyncio.ensure_future(client.post("/v1/completions", json=body))
+    while not ledger.requests:
+        await asyncio.sleep(0.01)
+    await _forget_everything(redis, prefix)
+    after = asyncio.ensure_future(client.post("/v1/completions", json=body))
+    lost, kept = await before, await after
+    assert lost.status == 503, await lost.text()
+    assert lost.headers["Retry-After"] == "1"
+    assert_error(await lost.json(), None, "Redis restarted without its data")
+    assert kept.status == 200, await kept.text()
+    assert (await kept.json())["choices"][0]["text"] == TEXT[:8]
+    assert len(ledger.requests) == 2

@@ -153,3 +153,33 @@ async def test_a_trickled_body_gets_408_after_the_body_timeout(capped_gateway):
     assert head.startswith(b"HTTP/1.1 408 ")
     assert_error(json.loads(payload), None, "did not arrive within 1s")
     writer.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/tokenize", b'{"prompt": "hello there"}'), ("/detokenize", b'{"tokens": [104, 105]}')],
+)
+async def test_a_trickled_tokenize_body_gets_408_after_the_body_timeout(capped_gateway, path, body):
+    # /tokenize and /detokenize read a body like generation does: the same deadline, or a client
+    # trickling bytes would hold a connection (and at the cap, every slot) for ever.
+    site = capped_gateway
+    reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n".encode()
+        + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5]
+    )  # fmt: skip
+    await writer.drain()
+    started = time.monotonic()
+    answer = await _read_until_closed(reader, 6.0)
+    assert 0.9 < time.monotonic() - started < 4.0
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), head
+    assert_error(json.loads(payload), None, "did not arrive within 1s")
+    writer.close()
+
+    # The whole body in time: served as before.
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"http://127.0.0.1:{site.port}{path}", data=body) as resp,
+    ):
+        assert resp.status == 200, await resp.text()

@@ -14,7 +14,7 @@ import torch
 
 from gpu_worker.checkpoint import load_checkpoint
 from gpu_worker.runner import ModelRunner
-from gpu_worker.structured import GrammarRow, StructuredOutputs, unpack_bitmask
+from gpu_worker.structured import GrammarRow, StructuredOutputs, unpack_bitmask, without_forcing
 from services.tokenization.tokenizer import ByteTokenizer, HFTokenizer
 from services.wire.messages import SamplingParams, StructuredOutput
 from tests.gpu_worker.checkpoints import TOKENIZER_VOCAB, make_tiny_checkpoint
@@ -155,3 +155,71 @@ def test_min_tokens_past_a_finished_grammar_does_not_fail_the_step(make_runner, 
     for out in outs:
         assert text_until_eos(out) in ("yes", "no")
         assert set(out[len(text_until_eos(out)) :]) == {ByteTokenizer.EOS_ID}
+
+
+NEVER_ENDING = [
+    ('start: "a" start', "a"),  # forces "aaaa..." for ever: llguidance's forcing hits its limit
+    ('start: "ab" start', "ab"),
+    ('start: "x" /[0-9]/ start', None),  # forced and free bytes in turn
+]
+
+
+@pytest.mark.parametrize(("grammar", "unit"), NEVER_ENDING)
+@pytest.mark.parametrize("seed", [None, 9])
+def test_a_grammar_that_never_ends_runs_to_max_tokens_with_text_it_accepts(
+    make_runner, grammar, unit, seed
+):
+    # No string ends such a grammar: the request must run to its max_tokens (the ledger says
+    # `length`) with every token one the grammar allows, never an EOS (`stop`) after text the
+    # grammar refuses, which is what a matcher that failed on its own forced bytes produced.
+    structured = spec("grammar", llguidance.grammar_from("grammar", grammar))
+    sampling = SamplingParams(
+        temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=40,
+        eos_token_id=ByteTokenizer.EOS_ID, structured=structured,
+    )  # fmt: skip
+    for out in generate(make_runner(), [PROMPT, PROMPT], 40, sampling=sampling):
+        assert ByteTokenizer.EOS_ID not in out, TOK.decode(out)
+        assert len(out) == 40
+        text = TOK.decode(out)
+        if unit is not None:
+            assert text == (unit * 40)[:40], text
+        assert _grammar_accepts_prefix(grammar, out), text
+
+
+def test_a_grammar_state_survives_the_forcing_limit_through_preemption(make_runner):
+    sampling = SamplingParams(
+        temperature=0.0, max_tokens=40, eos_token_id=ByteTokenizer.EOS_ID,
+        structured=spec("grammar", 'start: "ab" start'),
+    )  # fmt: skip
+    straight = generate(make_runner(), [PROMPT], 40, sampling=sampling)
+    preempted = generate(
+        make_runner(), [PROMPT], 40, sampling=sampling, preempt_after={0: 6}, max_chunk=8
+    )
+    assert preempted == straight == [[*b"ab" * 20]]
+
+
+def _grammar_accepts_prefix(grammar: str, tokens: list[int]) -> bool:
+    """The tokens, one by one, never leave the grammar (forcing off: it is the check that
+    would otherwise hit llguidance's limit)."""
+    structured = StructuredOutputs("default", TOK.vocab_size)
+    text = '%llguidance {"no_forcing": true}\n' + grammar
+    matcher = llguidance.LLMatcher(structured.tokenizer, text, log_level=0)
+    return matcher.consume_tokens(tokens) and not matcher.is_error()
+
+
+@pytest.mark.parametrize(
+    ("structured", "good", "bad"),
+    [
+        (REGEX, "abc-12", "abc-1x"),
+        (JSON, '{"id":7,"ok":true,"tag":"red"}', '{"id":7,"ok":1'),
+        (spec("grammar", 'start: "yes" | "no"'), "yes", "yex"),
+    ],
+)
+def test_a_grammar_without_forcing_keeps_its_language(structured, good, bad):
+    tokenizer = StructuredOutputs("default", TOK.vocab_size).tokenizer
+    text = without_forcing(structured.grammar)
+    for grammar in (structured.grammar, text):
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        assert matcher.consume_tokens([*good.encode()]) and matcher.is_accepting(), grammar
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        assert not matcher.consume_tokens([*bad.encode()]), grammar
