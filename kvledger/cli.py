@@ -156,6 +156,10 @@ def run_ledger(config: LedgerConfig) -> int:
 
 
 def run_worker(config: WorkerConfig) -> int:
+    # Before torch loads OpenMP (gpu_worker/threads.py: spinning threads on a shared CPU).
+    from gpu_worker.threads import prefer_passive_openmp_wait
+
+    prefer_passive_openmp_wait()
     from gpu_worker.parallel import TensorParallel, TensorParallelError
     from gpu_worker.profile import ProfileSettings
     from gpu_worker.runner import ModelRunner, RunnerConfig
