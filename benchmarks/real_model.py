@@ -8,7 +8,8 @@ ledger, one worker, gateway: the real services, not an in-process runner), drive
 same GGUF file loaded by transformers (`gguf_file=`, float32), `generate(do_sample=False)` in
 this process. Same dtype (float32: what 'auto' serves on the CPU), same torch threads (the
 figure the worker logs in its `cpu_threads` line, set here with torch.set_num_threads), same
-prompts (16 chat-templated questions), the same number of new tokens.
+prompts (16 chat-templated questions), the same number of new tokens, the same OpenMP wait
+policy (OMP_WAIT_POLICY: PASSIVE, the worker's default, unless the environment sets it).
 
   1 request:   one prompt; tokens/s = new tokens / the request's wall time.
   16 requests: kvledger gets all 16 at once; transformers generates the same 16 one after
@@ -103,7 +104,7 @@ class Stack:
 
     @property
     def capacity_line(self) -> str:
-        return next((line.strip() for line in self.lines if "KV cache size:" in line), "")
+        return next((line.strip() for line in self.lines if "KV cache size:" in line[:40]), "")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -166,6 +167,7 @@ def load_transformers(threads: int) -> Any:
     from services.tokenization.model_source import default_model_path
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(threads)
     path = default_model_path()
     return transformers.AutoModelForCausalLM.from_pretrained(
@@ -186,6 +188,9 @@ def main() -> int:
                         "used for transformers")  # fmt: skip
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/real_model.json")
     args = parser.parse_args()
+    # The worker's OpenMP wait policy (gpu_worker/threads.py), for transformers too: set before
+    # torch loads, and inherited by the stack.
+    policy = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     from services.tokenization.load import load_tokenizer
 
@@ -240,7 +245,8 @@ def main() -> int:
     print()
     print(format_table(["load", "kvledger tok/s", "transformers tok/s", "ratio", "target"], rows))
     print(f"\nmedian (min-max) over {args.repeats} interleaved repetitions, {args.new_tokens} new "
-          f"tokens per request, float32, {threads} torch threads each; greedy texts equal for "
+          f"tokens per request, float32, {threads} torch threads each (OMP_WAIT_POLICY={policy}); "
+          f"greedy texts equal for "
           f"{same}/16 prompts; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")  # fmt: skip
     result = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -249,6 +255,7 @@ def main() -> int:
         "transformers": "AutoModelForCausalLM.from_pretrained(gguf_file=..., dtype=float32)"
         ".generate(do_sample=False), prompts one after another",
         "threads": threads,
+        "omp_wait_policy": policy,
         "cpus": len(os.sched_getaffinity(0)),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

@@ -78,6 +78,7 @@ ENV_VARS: dict[str, str] = {
     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf (default) or grpc",
     "OTEL_TRACES_EXPORTER": "set to console to print spans instead of exporting them",
     "OTEL_SERVICE_NAME": "overrides the service.name of this process's spans",
+    "OMP_WAIT_POLICY": "how torch's CPU threads wait: a worker sets PASSIVE unless given (spinning threads on a shared CPU slowed decoding ~10x)",
     "PYTHONHASHSEED": "seed of NONE_HASH for block hashing (vLLM's rule)",
 }
 

@@ -3,6 +3,7 @@ divided by the workers on the host, or --cpu-threads; the figure is set and logg
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,30 @@ def test_configure_sets_torch_and_logs_the_figure():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("given", "policy"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_a_worker_process_logs_its_threads_and_waits_passively_unless_told(given, policy):
+    """`kvledger worker` sets OMP_WAIT_POLICY before torch loads (unless the environment has
+    it) and logs its thread figure at start-up, before it even reaches Redis."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "OMP_"))}
+    env.update(PYTHONPATH=ROOT, KVLEDGER_LOG_FORMAT="json", KVLEDGER_WORKERS_ON_HOST="2")
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    cmd = [sys.executable, "-m", "kvledger.cli", "worker", "--model", "tiny", "--device", "cpu",
+           "--redis-url", "redis://127.0.0.1:1/0", "--kv-cache-memory-bytes", "4MiB"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if '"cpu_threads"' in line:
+                record = json.loads(line)
+                break
+        else:
+            raise AssertionError("the worker exited without a cpu_threads line")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert record["omp_wait_policy"] == policy and record["workers_on_host"] == 2
+    assert record["threads"] == max(1, usable_cores() // 2) and record["source"] == "cores"
