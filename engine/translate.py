@@ -212,6 +212,7 @@ def build_step_message(out: SchedulerOutput[Tracked], epoch: str, block_size: in
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.request.payload.msg.sampling,
                 traceparent=traceparent(new.request),
+                num_preemptions=new.request.num_preemptions,
             )
             for new in out.scheduled_new_reqs
         ],
@@ -221,7 +222,6 @@ def build_step_message(out: SchedulerOutput[Tracked], epoch: str, block_size: in
                 new_token_ids=c.new_token_ids,
                 new_block_ids=c.new_block_ids,
                 num_computed_tokens=c.num_computed_tokens,
-                traceparent=traceparent(c.request),
             )
             for c in out.scheduled_cached_reqs
         ],

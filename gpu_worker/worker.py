@@ -21,15 +21,15 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import torch
-from opentelemetry.trace import SpanKind
 
 from gpu_worker.devices import resolve_device
 from gpu_worker.parallel import TensorParallel, TensorParallelError
 from gpu_worker.profile import ProfileSettings
+from gpu_worker.request_spans import RequestSpans
 from gpu_worker.runner import ModelRunner, RequestsFailed, RunnerConfig, StepError, StepOutput
 from gpu_worker.tp_group import GroupFormer
 from kernels import BackendError
-from observability import Attr, SpanName, get_logger, links_from_traceparents, tracer_if_on
+from observability import get_logger, tracer_if_on
 from services.config import WorkerConfig
 from services.startup import StartupError, freeze_after_startup
 from services.transport import redis_streams, registry
@@ -46,7 +46,13 @@ def default_worker_id() -> str:
 
 class WorkerService:
     def __init__(
-        self, config: WorkerConfig, r: aioredis.Redis, runner: ModelRunner, tracer=None
+        self,
+        config: WorkerConfig,
+        r: aioredis.Redis,
+        runner: ModelRunner,
+        tracer=None,
+        *,
+        detailed_traces: bool = False,
     ) -> None:
         if not config.redis_url:
             raise ValueError(
@@ -91,6 +97,13 @@ class WorkerService:
         self.unconfirmed: list[tuple[redis_streams.Entry, StepResult]] = []
         self.leader_token = 0  # the highest ledger fencing token seen on a step
         self.tp_group = GroupFormer(config, r, runner.model.tp, runner.device)
+        # Rank 0 shows the requests' work; every rank keeps its own step spans.
+        self.spans: RequestSpans | None = None
+        if tracer is not None:
+            self.spans = RequestSpans(
+                tracer, self.worker_id, self.steps_stream,
+                requests=runner.model.tp.rank == 0, detailed=detailed_traces,
+            )  # fmt: skip
 
     async def run(self) -> None:
         # The worker may start before its Redis (or while it restarts): wait for it with the
@@ -112,6 +125,8 @@ class WorkerService:
         try:
             await self._loop()
         finally:
+            if self.spans is not None:
+                self.spans.close_all("shutdown")
             await asyncio.to_thread(heartbeat.stop)
             with contextlib.suppress(aioredis.RedisError):
                 await registry.unregister(self.r, self.cfg.streams, self.hello)
@@ -157,6 +172,8 @@ class WorkerService:
             while True:
                 if not entries:
                     entries = await (ahead or self.reader.read(count=4, block_ms=1000))
+                    if not entries and ahead is None and self.spans is not None:
+                        self.spans.idle()  # a second without a step
                     ahead = None
                     continue
                 entry = entries.pop(0)
@@ -254,7 +271,8 @@ class WorkerService:
                 self.tp_group.broken(step.epoch)
         elapsed = time.perf_counter() - started
         self.steps_done += 1
-        self._trace_step(step, start_ns, error)
+        if self.spans is not None:
+            self.spans.step(step, start_ns, start_ns + int(elapsed * 1e9), error)
         return StepResult(
             step_id=step.step_id,
             epoch=step.epoch,
@@ -267,37 +285,6 @@ class WorkerService:
             leader_token=step.leader_token,
             failed_requests=failed,
         )
-
-    def _trace_step(self, step: StepMessage, start_ns: int, error: str | None) -> None:
-        if self.tracer is None:
-            return
-        pairs = [(r.traceparent, {Attr.REQUEST_ID: r.req_id}) for r in step.new_reqs]
-        pairs += [(r.traceparent, {Attr.REQUEST_ID: r.req_id}) for r in step.cached_reqs]
-        num_tokens = sum(step.num_scheduled_tokens.values())
-        decode_tokens = sum(
-            1 for r in step.cached_reqs if step.num_scheduled_tokens.get(r.req_id) == 1
-        )
-        span = self.tracer.start_span(
-            SpanName.STEP,
-            kind=SpanKind.CONSUMER,
-            start_time=start_ns,
-            links=links_from_traceparents(pairs),
-            attributes={
-                Attr.STEP_ID: step.step_id,
-                Attr.WORKER_ID: self.worker_id,
-                Attr.BATCH_SIZE: len(pairs),
-                Attr.NUM_TOKENS: num_tokens,
-                Attr.NUM_DECODE_TOKENS: decode_tokens,
-                Attr.NUM_PREFILL_TOKENS: num_tokens - decode_tokens,
-                Attr.MESSAGING_SYSTEM: "redis",
-                Attr.MESSAGING_OPERATION_TYPE: "process",
-                Attr.MESSAGING_DESTINATION_NAME: self.steps_stream,
-                Attr.MESSAGING_BATCH_MESSAGE_COUNT: len(pairs),
-            },
-        )
-        if error is not None:
-            span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
-        span.end()
 
 
 async def serve(config: WorkerConfig) -> None:

@@ -19,6 +19,7 @@ from observability.metrics import (
 )
 from observability.tracing import (
     Attr,
+    EventName,
     SpanName,
     TracingSettings,
     extract_context,
@@ -30,6 +31,7 @@ from observability.tracing import (
     record_span,
     setup_tracing,
     shutdown_tracing,
+    span_context_from_traceparent,
     tracer_if_on,
     usage_attributes,
 )
@@ -37,6 +39,7 @@ from observability.tracing import (
 __all__ = [
     "CONTENT_TYPE",
     "Attr",
+    "EventName",
     "GatewayMetrics",
     "LedgerMetrics",
     "LedgerSnapshot",
@@ -56,6 +59,7 @@ __all__ = [
     "render",
     "setup_tracing",
     "shutdown_tracing",
+    "span_context_from_traceparent",
     "tracer_if_on",
     "usage_attributes",
 ]

@@ -163,7 +163,13 @@ def test_every_request_is_one_trace_rooted_at_the_gateway_span(traced_run):
             root["attributes"]["gen_ai.usage.cache_read.input_tokens"]
             == usage["prompt_tokens_details"]["cached_tokens"]
         )
-        assert {service(s) for s in spans} == {"kvledger-gateway", "kvledger-ledger"}
+        # The request's work is in its own trace: the worker's prefill chunks and decode runs.
+        assert {service(s) for s in spans} == {
+            "kvledger-gateway",
+            "kvledger-ledger",
+            "kvledger-worker",
+        }
+        assert "kvledger.prefill" in names and "kvledger.decode" in names
 
 
 def test_a_preempted_request_shows_its_preemption_and_its_second_admission(traced_run):

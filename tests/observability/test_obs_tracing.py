@@ -207,7 +207,7 @@ def test_tracing_is_off_and_spans_are_noops_without_configuration(
             "supports http/protobuf or grpc",
         ),
         ({"OTEL_TRACES_EXPORTER": "zipkin"}, "kvledger knows otlp, console, none"),
-        ({"OTEL_TRACES_EXPORTER": "otlp"}, "needs OTEL_EXPORTER_OTLP_ENDPOINT"),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, "needs --otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT"),
     ],
 )
 def test_misconfiguration_fails_with_an_actionable_message(
