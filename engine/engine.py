@@ -44,7 +44,7 @@ from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import Request, RequestStatus
 from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from observability import LedgerMetrics, get_logger, new_registry
+from observability import LedgerMetrics, get_logger, in_trace, new_registry
 from services.config import LedgerConfig
 from services.startup import freeze_after_startup
 from services.transport import redis_streams, registry
@@ -113,7 +113,7 @@ class Engine:
         )
         self.hasher = BlockHasher(config.hash_algo) if config.enable_prefix_caching else None
         self.metrics = LedgerMetrics(new_registry(), self.model_name)
-        self.telemetry = LedgerTelemetry(tracer, self.metrics)
+        self.telemetry = LedgerTelemetry(tracer, self.metrics, self.scheduler)
         self.depth = 2 if config.async_scheduling else 1  # steps in flight at once
         self.in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = (
             collections.deque()
@@ -173,6 +173,7 @@ class Engine:
             if self.crashed is not None:
                 raise self.crashed
         finally:
+            self.telemetry.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -325,7 +326,8 @@ class Engine:
             self.metrics.record_failed_requests(reason, len(doomed))
         for req_id, error in doomed.items():
             for request in self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ERROR):
-                log.error("request_failed", req_id=req_id, reason=reason, error=error)
+                with self.telemetry.in_request(req_id):
+                    log.error("request_failed", req_id=req_id, reason=reason, error=error)
                 await self._finish_tracking(request, request_output(request, [], "error", error))
 
     async def _workers_changed(self, reason: str) -> None:
@@ -407,7 +409,8 @@ class Engine:
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
-            log.warning("request_rejected", req_id=msg.req_id, error=problem)
+            with in_trace(msg.traceparent):
+                log.warning("request_rejected", req_id=msg.req_id, error=problem)
             await self.outputs.send(msg.gateway_id, rejection(msg, problem))
             await self.intake.reader.ack([entry])
             return
@@ -415,7 +418,8 @@ class Engine:
 
     async def _abort(self, msg: AbortRequest) -> None:
         for request in self.scheduler.finish_requests([msg.req_id], RequestStatus.FINISHED_ABORTED):
-            log.info("request_aborted", req_id=msg.req_id, reason=msg.reason)
+            with self.telemetry.in_request(msg.req_id):
+                log.info("request_aborted", req_id=msg.req_id, reason=msg.reason)
             await self._finish_tracking(request, request_output(request, [], "abort"))
 
     # ------------------------------------------------------------------ outputs
@@ -434,7 +438,9 @@ class Engine:
     ) -> None:
         tracked = request.payload
         self.quarantine.forget(request.request_id)
-        self.telemetry.request_finished(request.request_id)
+        self.telemetry.request_finished(
+            request.request_id, final.finish_reason if final is not None else None
+        )
         if final is not None:
             await self._flush_outputs()  # a final output must not overtake tokens held back
             await self.outputs.send(tracked.msg.gateway_id, final)

@@ -5,17 +5,19 @@ contract: dashboards and the end-to-end trace test rely on them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, Tracer
@@ -141,6 +143,12 @@ class Attr:
     LAST_STEP_ID = "kvledger.last_step_id"
     COMPUTE_S = "kvledger.compute_s"  # seconds of the steps it took part in, summed
     SEGMENT_END = "kvledger.segment.end"  # finished, preempted, idle, epoch or shutdown
+    # causes, both ways: kvledger.preempting names its victims; kvledger.admit its lost prefix
+    PREEMPTED_REQUEST_IDS = "kvledger.preempted.request_ids"
+    NUM_PREEMPTED = "kvledger.num_preempted"
+    PREFIX_LOST_BLOCKS = "kvledger.prefix_lost.blocks"  # blocks past the hit it once had cached
+    PREFIX_LOST_TOKENS = "kvledger.prefix_lost.tokens"
+    PREFIX_LOST_EVICTED_BY = "kvledger.prefix_lost.evicted_by"  # the requests that evicted them
 
 
 MAX_LINKS = 4096
@@ -475,6 +483,23 @@ def span_context_from_traceparent(traceparent: str | bytes | None) -> SpanContex
         return None
     span_context = trace.get_current_span(context).get_span_context()
     return span_context if span_context.is_valid else None
+
+
+@contextlib.contextmanager
+def in_trace(parent: str | bytes | SpanContext | None) -> Iterator[None]:
+    """Inside: the current span is the one a traceparent (or SpanContext) names, so log lines
+    written here carry its trace id (the logging processor reads it). Nothing when it is None."""
+    span_context = (
+        parent if isinstance(parent, SpanContext) else span_context_from_traceparent(parent)
+    )
+    if span_context is None:
+        yield
+        return
+    token = context_api.attach(trace.set_span_in_context(NonRecordingSpan(span_context), Context()))
+    try:
+        yield
+    finally:
+        context_api.detach(token)
 
 
 def link_from_traceparent(

@@ -1,0 +1,141 @@
+"""The ledger's spans, cause and effect both ways (real ledger and worker in process over a real
+redis-server, spans from the real SDK): a preemption links to the request whose growth forced it,
+whose trace names its victims; a request that finds its prefix evicted links to the eviction and
+says how many tokens it lost; a queued request says what held it back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from observability import inject_traceparent
+from tests.engine.test_ledger_service import prompts
+from tests.harness.spans import SpanCollector, named, traces_by_request
+from tests.harness.stack import Stack
+
+
+class Traced:
+    """A Stack whose ledger and worker trace into one collector, and whose requests each start
+    a trace of their own (a root span standing in for the gateway's)."""
+
+    def __init__(self, redis_url, tiny_model, **kwargs) -> None:
+        self.spans = SpanCollector()
+        self.stack = Stack(
+            redis_url, tiny_model,
+            ledger_tracer=self.spans.tracer("kvledger-ledger"),
+            worker_tracer=self.spans.tracer("kvledger-worker"),
+            **kwargs,
+        )  # fmt: skip
+
+    async def submit(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        root = self.spans.tracer("test-gateway").start_span(req_id)
+        await self.stack.submit(req_id, prompt, max_tokens, traceparent=inject_traceparent(root))
+        root.end()
+
+    def traces(self):
+        return traces_by_request(self.spans.spans)
+
+
+async def test_a_preemption_links_to_its_cause_and_the_cause_names_its_victims(
+    redis_url, tiny_model
+):
+    traced = Traced(redis_url, tiny_model, num_blocks=24, max_model_len=112)
+    stack = traced.stack
+    await stack.start()
+    try:
+        # A long request is decoding when three more are admitted beside it: all four grow to
+        # 7 blocks, 28 > the 23 the pool lends, so the oldest's growth preempts the youngest.
+        anchor, *others = prompts(4, 70, seed=2)
+        await traced.submit("anchor", anchor[:30], 80)
+        while not stack.results["anchor"].tokens:
+            await asyncio.sleep(0.02)
+        for i, prompt in enumerate(others):
+            await traced.submit(f"r{i}", prompt, 30)
+        await stack.wait(["anchor", "r0", "r1", "r2"], timeout=120)
+        assert stack.ledger.scheduler.num_preemptions > 0
+    finally:
+        await stack.stop()
+
+    traces = traced.traces()
+    preempts = [s for spans in traces.values() for s in named(spans, "kvledger.preempt")]
+    assert len(preempts) == stack.ledger.scheduler.num_preemptions
+    span_by_id = {s["span_id"]: s for s in traced.spans.spans}
+    for preempt in preempts:
+        victim = preempt["attributes"]["kvledger.request_id"]
+        cause = preempt["attributes"]["kvledger.caused_by.request_id"]
+        assert preempt["attributes"]["kvledger.preempt.reason"] == "kv_cache_full"
+        assert cause != victim
+        # The link resolves to the cause's kvledger.preempting span, in the cause's trace...
+        (link,) = preempt["links"]
+        preempting = span_by_id[link["span_id"]]
+        assert preempting["name"] == "kvledger.preempting"
+        assert preempting["trace_id"] == traces[cause][0]["trace_id"] != preempt["trace_id"]
+        # ... which names its victims and links back to this very preemption.
+        assert victim in preempting["attributes"]["kvledger.preempted.request_ids"]
+        assert preempt["span_id"] in {x["span_id"] for x in preempting["links"]}
+        # The victim's trace shows the recompute, after the preemption, on the worker.
+        spans = traces[victim]
+        admits = named(spans, "kvledger.admit")
+        assert [a["attributes"]["kvledger.resumed"] for a in admits][-1] is True
+        recomputes = [
+            p for p in named(spans, "kvledger.prefill") if p["attributes"]["kvledger.recompute"]
+        ]
+        assert recomputes and recomputes[0]["start_ns"] >= preempt["start_ns"]
+        assert {s["service_name"] for s in spans} >= {"kvledger-ledger", "kvledger-worker"}
+
+
+async def test_a_request_that_finds_its_prefix_evicted_links_to_the_eviction(redis_url, tiny_model):
+    traced = Traced(redis_url, tiny_model, num_blocks=24, max_model_len=112)
+    stack = traced.stack
+    await stack.start()
+    try:
+        prompt = prompts(1, 64, seed=11)[0]  # 4 blocks, 3 of them hittable (not the last token)
+        await traced.submit("first", prompt, 2)
+        await stack.wait(["first"])
+        await traced.submit("hit", prompt, 2)  # the same prompt at once: its prefix is cached
+        await stack.wait(["hit"])
+        # Others fill the pool (28 blocks > the 18 never cached): the first prompt's blocks go.
+        fillers = prompts(4, 100, seed=12)
+        for pair in ((0, 1), (2, 3)):
+            for i in pair:
+                await traced.submit(f"fill{i}", fillers[i], 4)
+            await stack.wait([f"fill{i}" for i in pair])
+        await traced.submit("lost", prompt, 2)  # the same prompt a third time
+        await stack.wait(["lost"])
+    finally:
+        await stack.stop()
+
+    traces = traced.traces()
+    (hit,) = named(traces["hit"], "kvledger.admit")
+    assert hit["attributes"]["kvledger.prefix_hit.tokens"] == 48
+    assert "kvledger.prefix_lost.tokens" not in hit["attributes"]
+
+    (lost,) = named(traces["lost"], "kvledger.admit")
+    a = lost["attributes"]
+    # Every hittable block was either still cached or lost to an eviction it can name.
+    assert a["kvledger.prefix_lost.blocks"] >= 1
+    assert a["kvledger.prefix_hit.blocks"] + a["kvledger.prefix_lost.blocks"] == 3
+    assert a["kvledger.prefix_lost.tokens"] == 16 * a["kvledger.prefix_lost.blocks"]
+    span_by_id = {s["span_id"]: s for s in traced.spans.spans}
+    assert lost["links"]
+    for link in lost["links"]:
+        evict = span_by_id[link["span_id"]]
+        evictor = link["attributes"]["kvledger.request_id"]
+        assert evict["name"] == "kvledger.evict"
+        assert evict["trace_id"] == traces[evictor][0]["trace_id"]
+        assert evictor in a["kvledger.prefix_lost.evicted_by"]
+        # The eviction names whose blocks it took, and links to their traces.
+        owners = evict["attributes"]["kvledger.evicted_from_request_ids"]
+        assert {"first", "hit"} & set(owners)
+        owner_traces = {x["trace_id"] for x in evict["links"]}
+        assert traces["first"][0]["trace_id"] in owner_traces or (
+            traces["hit"][0]["trace_id"] in owner_traces
+        )
+    # One kvledger.evict per run of a request's allocations, never one per block.
+    for spans in traces.values():
+        evicts = named(spans, "kvledger.evict")
+        assert len(evicts) <= len(named(spans, "kvledger.admit"))
+        for evict in evicts:
+            attrs = evict["attributes"]
+            assert attrs["kvledger.num_evicted_blocks"] == len(
+                attrs["kvledger.evicted_block_hashes"]
+            )
