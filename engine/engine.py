@@ -414,7 +414,7 @@ class Engine:
             await self.outputs.send(msg.gateway_id, rejection(msg, problem))
             await self.intake.reader.ack([entry])
             return
-        self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
+        self.telemetry.request_added(request)
 
     async def _abort(self, msg: AbortRequest) -> None:
         for request in self.scheduler.finish_requests([msg.req_id], RequestStatus.FINISHED_ABORTED):

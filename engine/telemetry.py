@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -37,6 +37,7 @@ from ledger.request import Request
 from ledger.scheduler import Admission, Preemption, Scheduler, SchedulerOutput
 from observability import (
     Attr,
+    EventName,
     LedgerMetrics,
     SpanName,
     format_block_hashes,
@@ -50,6 +51,8 @@ MAX_REMEMBERED_TRACES = 200_000  # request ids whose trace later spans may still
 MAX_EVICTED = 65_536  # evicted block hashes remembered, with who evicted them for whom
 MAX_EVICT_LINKS = 64  # links of one kvledger.evict span (the owners with the most blocks)
 MAX_EVICTED_HASHES = 1024  # hashes listed on one kvledger.evict span
+MAX_HOLDS = 65_536  # runs of held steps remembered (a wait longer than that is cut short)
+MAX_QUEUE_EVENTS = 16  # kvledger.queue.held events on one queue span (the attributes count all)
 
 log = get_logger("kvledger.ledger")
 
@@ -60,6 +63,21 @@ class _Wait:
 
     since_ns: int
     resumed: bool
+    first_step: int  # the first scheduler step that could have admitted it
+    priority: int = 0
+    ahead: int | None = None  # waiting requests ahead of it then (sampled traces only)
+
+
+@dataclass(slots=True)
+class _Hold:
+    """A run of steps whose admissions stopped at the same head of `waiting`, for one reason."""
+
+    first_step: int
+    last_step: int
+    first_ns: int
+    head: str
+    head_priority: int
+    reason: str
 
 
 @dataclass(slots=True)
@@ -102,16 +120,46 @@ class LedgerTelemetry:
         self.waits: dict[str, _Wait] = {}  # requests in the waiting queue
         self.evict_runs: dict[str, _EvictRun] = {}
         self.evicted: OrderedDict[BlockHash, _Evicted] = OrderedDict()
+        self.holds: deque[_Hold] = deque(maxlen=MAX_HOLDS)
+        self.priority_policy = scheduler is not None and scheduler.config.policy == "priority"
         self._stats_seen = PrefixCacheStats()
         self._evicted_blocks = 0
 
     # ------------------------------------------------------------------ requests in and out
 
-    def request_added(self, request_id: str, traceparent: str | None, arrival_time: float) -> None:
-        self.contexts[request_id] = span_context_from_traceparent(traceparent)
+    def request_added(self, request: Request[Tracked]) -> None:
+        """A request entered the waiting queue (after `Scheduler.add_request`)."""
+        request_id = request.request_id
+        span_context = span_context_from_traceparent(request.payload.msg.traceparent)
+        self.contexts[request_id] = span_context
         if len(self.contexts) > MAX_REMEMBERED_TRACES:
             self.contexts.popitem(last=False)
-        self.waits[request_id] = _Wait(int(arrival_time * 1e9), resumed=False)
+        self.waits[request_id] = self._wait(
+            request, int(request.arrival_time * 1e9), resumed=False, sampled=span_context
+        )
+
+    def _wait(
+        self,
+        request: Request[Tracked],
+        since_ns: int,
+        *,
+        resumed: bool,
+        sampled: SpanContext | None,
+        first_step: int | None = None,
+    ) -> _Wait:
+        scheduler = self.scheduler
+        step_id = scheduler.step_id if scheduler is not None else 0
+        wait = _Wait(
+            since_ns, resumed, step_id + 1 if first_step is None else first_step, request.priority
+        )
+        if (
+            self.tracer is not None
+            and scheduler is not None
+            and sampled is not None
+            and sampled.trace_flags.sampled
+        ):
+            wait.ahead = scheduler.waiting.num_ahead(request)
+        return wait
 
     def request_finished(self, request_id: str, outcome: str | None = None) -> None:
         """The request ended (`outcome`: its finish reason): a request still waiting gets its
@@ -122,14 +170,8 @@ class LedgerTelemetry:
         if wait is not None and self.tracer is not None:
             parent = self._parent(request_id)
             if parent is not None:
-                attributes: dict[str, AttributeValue] = {
-                    Attr.REQUEST_ID: request_id,
-                    Attr.RESUMED: wait.resumed,
-                }
-                record_span(
-                    self.tracer, SpanName.QUEUE, start_ns=wait.since_ns, end_ns=now,
-                    context=parent, attributes=attributes,
-                )  # fmt: skip
+                last_step = self.scheduler.step_id if self.scheduler is not None else 0
+                self._queue_span(request_id, wait, parent, now, last_step, outcome or "ended")
 
     def close(self) -> None:
         """The ledger stops: end the spans still open."""
@@ -145,13 +187,19 @@ class LedgerTelemetry:
         if out.admissions:
             requests = {new.request.request_id: new.request for new in out.scheduled_new_reqs}
             for admission in out.admissions:
-                self._admitted(admission, requests.get(admission.request_id), now)
+                self._admitted(admission, requests.get(admission.request_id), now, out.step_id)
         if out.preemptions:
-            self._preemptions(out.preemptions, now)
+            self._preemptions(out, now)
+        if out.waiting_held is not None and self.tracer is not None:
+            self._record_hold(
+                out.step_id, out.waiting_held.request_id, out.waiting_held.reason, now
+            )
         if self.metrics is not None and out.preemptions:
             self.metrics.record_preemptions(len(out.preemptions))
 
-    def _admitted(self, admission: Admission, request: Request[Tracked] | None, now: int) -> None:
+    def _admitted(
+        self, admission: Admission, request: Request[Tracked] | None, now: int, step_id: int
+    ) -> None:
         rid = admission.request_id
         wait = self.waits.pop(rid, None)
         since = wait.since_ns if wait is not None else now
@@ -170,14 +218,8 @@ class LedgerTelemetry:
         parent = self._parent(rid)
         if parent is None:
             return
-        record_span(
-            self.tracer,
-            SpanName.QUEUE,
-            start_ns=since,
-            end_ns=now,
-            context=parent,
-            attributes={Attr.REQUEST_ID: rid, Attr.RESUMED: admission.resumed},
-        )
+        if wait is not None:
+            self._queue_span(rid, wait, parent, now, step_id - 1, "admitted")
         attributes: dict[str, AttributeValue] = {
             Attr.REQUEST_ID: rid,
             Attr.RESUMED: admission.resumed,
@@ -226,11 +268,21 @@ class LedgerTelemetry:
             evictors[record.by] = (record, count + 1)
         return num_lost, evictors
 
-    def _preemptions(self, preemptions: list[Preemption], now: int) -> None:
+    def _preemptions(self, out: SchedulerOutput[Tracked], now: int) -> None:
+        preemptions = out.preemptions
         by_cause: dict[str, list[Preemption]] = {}
+        scheduler = self.scheduler
         for preemption in preemptions:
             victim = preemption.request_id
-            self.waits[victim] = _Wait(now, resumed=True)
+            request = scheduler.requests.get(victim) if scheduler is not None else None
+            if request is not None:
+                # Preempted in this step, a request is already checked in it; preempted
+                # between steps (a lost worker), from the next one.
+                first = out.step_id + (preemption.reason != "kv_cache_full")
+                self.waits[victim] = self._wait(
+                    request, now, resumed=True, sampled=self.contexts.get(victim),
+                    first_step=first,
+                )  # fmt: skip
             self._end_evict_run(victim)
             with self.in_request(victim):
                 # vLLM warns on every preemption too: it is the first sign of a pool too small.
@@ -287,6 +339,72 @@ class LedgerTelemetry:
                 cause_span.add_link(span.get_span_context(), {Attr.REQUEST_ID: victim})
         for span in causes.values():
             span.end(end_time=now)
+
+    # ------------------------------------------------------------------ waiting
+
+    def _record_hold(self, step_id: int, head: str, reason: str, now: int) -> None:
+        holds = self.holds
+        last = holds[-1] if holds else None
+        if (
+            last is not None
+            and last.head == head
+            and last.reason == reason
+            and last.last_step == step_id - 1
+        ):
+            last.last_step = step_id
+            return
+        request = self.scheduler.requests.get(head) if self.scheduler is not None else None
+        priority = request.priority if request is not None else 0
+        holds.append(_Hold(step_id, step_id, now, head, priority, reason))
+
+    def _queue_span(
+        self, request_id: str, wait: _Wait, parent: Context, now: int, last_step: int, outcome: str
+    ) -> None:
+        """kvledger.queue from (re)entering the queue to `now`: what held it back at each check
+        in steps first_step..last_step, as runs (an event each) and counts per reason."""
+        runs: list[list] = []  # [label, checks, first_ns, head]
+        for hold in reversed(self.holds):  # newest first; stop at the wait's first step
+            if hold.last_step < wait.first_step:
+                break
+            first, last = max(hold.first_step, wait.first_step), min(hold.last_step, last_step)
+            if last < first:
+                continue
+            if hold.head == request_id:
+                label = hold.reason
+            elif self.priority_policy and hold.head_priority < wait.priority:
+                label = "priority"
+            else:
+                label = "queue"
+            if runs and runs[-1][0] == label:
+                runs[-1][1] += last - first + 1
+                runs[-1][2] = hold.first_ns
+            else:
+                runs.append([label, last - first + 1, hold.first_ns, hold.head])
+        runs.reverse()
+        checks: dict[str, int] = {}
+        for label, count, _, _ in runs:
+            checks[label] = checks.get(label, 0) + count
+        attributes: dict[str, AttributeValue] = {
+            Attr.REQUEST_ID: request_id,
+            Attr.RESUMED: wait.resumed,
+            Attr.QUEUE_OUTCOME: outcome,
+            Attr.QUEUE_CHECKS: sum(checks.values()),
+            Attr.QUEUE_REASONS: list(checks),
+            Attr.QUEUE_REASON_CHECKS: list(checks.values()),
+        }
+        if runs:
+            attributes[Attr.QUEUE_REASON] = runs[-1][0]
+        if wait.ahead is not None:
+            attributes[Attr.QUEUE_AHEAD] = wait.ahead
+        span = self.tracer.start_span(
+            SpanName.QUEUE, context=parent, start_time=wait.since_ns, attributes=attributes
+        )
+        for label, count, first_ns, head in runs[:MAX_QUEUE_EVENTS]:
+            event: dict[str, AttributeValue] = {Attr.QUEUE_REASON: label, Attr.QUEUE_CHECKS: count}
+            if head != request_id:
+                event[Attr.HELD_BY_REQUEST_ID] = head
+            span.add_event(EventName.QUEUE_HELD, event, timestamp=max(first_ns, wait.since_ns))
+        span.end(end_time=max(now, wait.since_ns))
 
     # ------------------------------------------------------------------ evictions
 

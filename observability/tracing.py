@@ -143,6 +143,14 @@ class Attr:
     LAST_STEP_ID = "kvledger.last_step_id"
     COMPUTE_S = "kvledger.compute_s"  # seconds of the steps it took part in, summed
     SEGMENT_END = "kvledger.segment.end"  # finished, preempted, idle, epoch or shutdown
+    # kvledger.queue: what held it back, check by check (a check: one scheduler step)
+    QUEUE_AHEAD = "kvledger.queue.ahead"  # waiting requests ahead of it when it (re)entered
+    QUEUE_CHECKS = "kvledger.queue.checks"  # steps it waited through
+    QUEUE_REASON = "kvledger.queue.reason"  # what held it back at the last check
+    QUEUE_REASONS = "kvledger.queue.reasons"  # every reason, in order of first appearance
+    QUEUE_REASON_CHECKS = "kvledger.queue.reason_checks"  # checks per reason, same order
+    QUEUE_OUTCOME = "kvledger.queue.outcome"  # admitted, or the finish reason (abort, error)
+    HELD_BY_REQUEST_ID = "kvledger.queue.head_request_id"  # the head it waited behind
     # causes, both ways: kvledger.preempting names its victims; kvledger.admit its lost prefix
     PREEMPTED_REQUEST_IDS = "kvledger.preempted.request_ids"
     NUM_PREEMPTED = "kvledger.num_preempted"

@@ -26,9 +26,10 @@ class Traced:
             **kwargs,
         )  # fmt: skip
 
-    async def submit(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+    async def submit(self, req_id: str, prompt: list[int], max_tokens: int, **kwargs) -> None:
         root = self.spans.tracer("test-gateway").start_span(req_id)
-        await self.stack.submit(req_id, prompt, max_tokens, traceparent=inject_traceparent(root))
+        traceparent = inject_traceparent(root)
+        await self.stack.submit(req_id, prompt, max_tokens, traceparent=traceparent, **kwargs)
         root.end()
 
     def traces(self):
@@ -139,3 +140,67 @@ async def test_a_request_that_finds_its_prefix_evicted_links_to_the_eviction(red
             assert attrs["kvledger.num_evicted_blocks"] == len(
                 attrs["kvledger.evicted_block_hashes"]
             )
+
+
+def queue_of(spans) -> dict:
+    (queue,) = named(spans, "kvledger.queue")
+    return queue
+
+
+async def test_the_queue_span_says_what_held_it_back_and_survives_an_abort(redis_url, tiny_model):
+    traced = Traced(redis_url, tiny_model, num_blocks=64, max_num_seqs=2)
+    stack = traced.stack
+    await stack.start()
+    try:
+        batch = prompts(5, 20, seed=21)
+        for i, prompt in enumerate(batch[:4]):
+            await traced.submit(f"r{i}", prompt, 12)
+        await traced.submit("gone", batch[4], 12)
+        await stack.abort("gone")  # while two seats are taken and three wait before it
+        await stack.wait(["r0", "r1", "r2", "r3", "gone"])
+    finally:
+        await stack.stop()
+
+    traces = traced.traces()
+    # r2 waited at the head for a seat; r3 first behind r2, then at the head for a seat.
+    r2 = queue_of(traces["r2"])["attributes"]
+    assert (r2["kvledger.queue.reasons"], r2["kvledger.queue.reason"]) == (["seats"], "seats")
+    assert r2["kvledger.queue.outcome"] == "admitted"
+    r3 = queue_of(traces["r3"])
+    a = r3["attributes"]
+    assert (a["kvledger.queue.reasons"], a["kvledger.queue.reason"]) == (
+        ["queue", "seats"],
+        "seats",
+    )
+    assert sum(a["kvledger.queue.reason_checks"]) == a["kvledger.queue.checks"] > 1
+    assert a["kvledger.queue.ahead"] >= 1
+    held = [e["attributes"] for e in r3["events"]]
+    assert [e["kvledger.queue.reason"] for e in held] == ["queue", "seats"]
+    assert held[0]["kvledger.queue.head_request_id"] == "r2"
+    # Aborted in the queue: its queue span still says how long, and why.
+    gone = queue_of(traces["gone"])["attributes"]
+    assert gone["kvledger.queue.outcome"] == "abort"
+    assert "kvledger.admit" not in {s["name"] for s in traces["gone"]}
+
+
+async def test_under_the_priority_policy_the_queue_span_names_priority(redis_url, tiny_model):
+    traced = Traced(redis_url, tiny_model, num_blocks=64, max_num_seqs=1, policy="priority")
+    stack = traced.stack
+    await stack.start()
+    try:
+        first, low, high = prompts(3, 20, seed=22)
+        await traced.submit("first", first, 8)
+        while not stack.results["first"].tokens:
+            await asyncio.sleep(0.02)
+        await traced.submit("low", low, 4, priority=5)
+        await traced.submit("high", high, 4, priority=0)  # comes later, goes first
+        await stack.wait(["first", "low", "high"])
+    finally:
+        await stack.stop()
+
+    traces = traced.traces()
+    # low waited behind high (a better priority at the head), then at the head for the seat.
+    held = [e["attributes"] for e in queue_of(traces["low"])["events"]]
+    assert [e["kvledger.queue.reason"] for e in held][-2:] == ["priority", "seats"]
+    assert held[-2]["kvledger.queue.head_request_id"] == "high"
+    assert queue_of(traces["high"])["attributes"]["kvledger.queue.reason"] == "seats"

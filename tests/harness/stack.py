@@ -165,6 +165,7 @@ class Stack:
         max_tokens: int,
         *,
         traceparent: str | None = None,
+        priority: int = 0,
         **kwargs,
     ) -> None:
         self.results[req_id] = Result()
@@ -179,6 +180,7 @@ class Stack:
                 sampling=sampling,
                 arrival_time=time.time(),
                 traceparent=traceparent,
+                priority=priority,
             ),
         )
 
