@@ -211,8 +211,12 @@ class LedgerTelemetry:
                 prefix_hit_tokens=admission.num_hit_tokens,
                 blocks_allocated=admission.num_new_blocks,
             )
-        if self.metrics is not None and not admission.resumed:
-            self.metrics.record_queue_time(max(now - since, 0) / 1e9)
+        if not admission.resumed:
+            queued_s = max(now - since, 0) / 1e9
+            if request is not None:
+                request.payload.queued_s = queued_s  # the gateway's gen_ai.latency.time_in_queue
+            if self.metrics is not None:
+                self.metrics.record_queue_time(queued_s)
         if self.tracer is None:
             return
         parent = self._parent(rid)

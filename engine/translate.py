@@ -36,6 +36,7 @@ class Tracked:
     msg: GenerateRequest
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # of tokens not yet sent
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position
+    queued_s: float | None = None  # arrival to first admission, sent with the first tokens
 
 
 def validate_request(msg: GenerateRequest, vocab_size: int, max_model_len: int) -> str | None:
@@ -152,6 +153,7 @@ def request_output(
     if count and position == 0 and sampling.prompt_logprobs is not None:
         prompt_logprobs = [tracked.prompt_logprobs[p] for p in sorted(tracked.prompt_logprobs)]
     num_cached_tokens = request.num_cached_tokens
+    queued_s = tracked.queued_s if count and position == 0 else None
     # Positional: one per request per step, and keywords cost a third of the call.
     return RequestOutput(
         request.request_id,
@@ -166,6 +168,7 @@ def request_output(
         error,
         logprobs,
         prompt_logprobs,
+        queued_s,
     )
 
 

@@ -34,7 +34,6 @@ from observability.tracing import (
     shutdown_tracing,
     span_context_from_traceparent,
     tracer_if_on,
-    usage_attributes,
 )
 
 __all__ = [
@@ -63,5 +62,4 @@ __all__ = [
     "shutdown_tracing",
     "span_context_from_traceparent",
     "tracer_if_on",
-    "usage_attributes",
 ]

@@ -81,7 +81,6 @@ class Attr:
     VLLM_REQUEST_N = "gen_ai.request.n"
     VLLM_USAGE_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
     VLLM_USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
-    VLLM_USAGE_NUM_SEQUENCES = "gen_ai.usage.num_sequences"
     VLLM_LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
     VLLM_LATENCY_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
     VLLM_LATENCY_E2E = "gen_ai.latency.e2e"
@@ -128,7 +127,6 @@ class Attr:
     NUM_TOKENS = "kvledger.num_tokens"
     NUM_PREFILL_TOKENS = "kvledger.num_prefill_tokens"
     NUM_DECODE_TOKENS = "kvledger.num_decode_tokens"
-    TIME_TO_FIRST_TOKEN = "kvledger.time_to_first_token_s"
     REQUEST_IDS = "kvledger.request_ids"  # every ledger request of a response (n > 1)
     # a request's work on the worker: kvledger.prefill (one chunk) and kvledger.decode (a run)
     NUM_COMPUTED_TOKENS = "kvledger.num_computed_tokens"  # tokens computed in this chunk or run
@@ -554,24 +552,6 @@ def record_span(
     )
     span.end(end_time=max(start_ns, end_ns if end_ns is not None else time.time_ns()))
     return span
-
-
-def usage_attributes(
-    *,
-    input_tokens: int,
-    output_tokens: int,
-    cache_read_input_tokens: int,
-    time_to_first_token_s: float | None = None,
-) -> dict[str, AttributeValue]:
-    """The GenAI usage attributes for the end of a request's root span."""
-    attributes: dict[str, AttributeValue] = {
-        Attr.GEN_AI_INPUT_TOKENS: input_tokens,
-        Attr.GEN_AI_OUTPUT_TOKENS: output_tokens,
-        Attr.GEN_AI_CACHE_READ_INPUT_TOKENS: cache_read_input_tokens,
-    }
-    if time_to_first_token_s is not None:
-        attributes[Attr.TIME_TO_FIRST_TOKEN] = time_to_first_token_s
-    return attributes
 
 
 def format_block_hashes(block_hashes: Iterable[int | bytes]) -> list[str]:

@@ -206,6 +206,9 @@ class RequestOutput(Record, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
     # Positions 1.. of the prompt (position 0 has none), with the output at position 0.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # With the first tokens: seconds from arrival_time to the first admission (vLLM's
+    # gen_ai.latency.time_in_queue), for the gateway's GenAI span.
+    queued_s: float | None = None
 
 
 class OutputBatch(Message, tag="outputs"):

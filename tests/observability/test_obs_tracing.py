@@ -32,7 +32,6 @@ from observability.tracing import (
     record_span,
     setup_tracing,
     shutdown_tracing,
-    usage_attributes,
 )
 from tests.otlp_receiver import OtlpReceiver
 
@@ -55,12 +54,12 @@ def test_request_trace_crosses_services_with_parents_links_and_past_start_times(
     with gateway.start_as_current_span("POST /v1/completions", kind=SpanKind.SERVER) as root:
         message_traceparent = inject_traceparent()  # what the gateway puts in the stream entry
         root.set_attributes(
-            usage_attributes(
-                input_tokens=40,
-                output_tokens=8,
-                cache_read_input_tokens=32,
-                time_to_first_token_s=0.12,
-            )
+            {
+                Attr.GEN_AI_INPUT_TOKENS: 40,
+                Attr.GEN_AI_OUTPUT_TOKENS: 8,
+                Attr.GEN_AI_CACHE_READ_INPUT_TOKENS: 32,
+                Attr.VLLM_LATENCY_TIME_TO_FIRST_TOKEN: 0.12,
+            }
         )
 
     parent = extract_context(message_traceparent)  # the ledger reads the entry
@@ -101,7 +100,7 @@ def test_request_trace_crosses_services_with_parents_links_and_past_start_times(
         "gen_ai.usage.input_tokens": 40,
         "gen_ai.usage.output_tokens": 8,
         "gen_ai.usage.cache_read.input_tokens": 32,
-        "kvledger.time_to_first_token_s": 0.12,
+        "gen_ai.latency.time_to_first_token": 0.12,
     }
     for child in (queue, admit):
         assert child["service_name"] == "kvledger-ledger"
@@ -207,7 +206,10 @@ def test_tracing_is_off_and_spans_are_noops_without_configuration(
             "supports http/protobuf or grpc",
         ),
         ({"OTEL_TRACES_EXPORTER": "zipkin"}, "kvledger knows otlp, console, none"),
-        ({"OTEL_TRACES_EXPORTER": "otlp"}, "needs --otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT"),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp"},
+            "needs --otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT",
+        ),
     ],
 )
 def test_misconfiguration_fails_with_an_actionable_message(
