@@ -7,11 +7,13 @@ consumer of the steps stream) and, in every request's own trace, the work it too
   is preempted, or the worker idles), with counts: steps, tokens, compute seconds; one event per
   step only with --collect-detailed-traces. Never a span per token.
 
-Links go both ways: a step links to the prefill and decode spans of its requests, and each of
-those links to its step (a decode span to its first and last). Only sampled requests (the
-traceparent's flag, decided once at the gateway) get spans and links, so a trace left out costs
-a dictionary look-up per step. Open decode spans are ended by `close_all` (idle, new epoch,
-shutdown), so none is lost.
+Links go both ways: a prefill span links to its step and the step to it; a decode run links to
+its first and last steps and its first step to it (with --collect-detailed-traces every step
+links to every request in it: a link per request per step, the costliest part of a trace).
+Only sampled requests (the traceparent's flag, decided once at the gateway) get spans and links,
+so a trace left out costs a dictionary look-up per step; a step that computed a sampled request
+is kept (`kvledger.num_traced_requests`, see `observability.tracing.kvledger_sampler`). Open
+decode spans are ended by `close_all` (idle, new epoch, shutdown), so none is lost.
 """
 
 from __future__ import annotations
@@ -112,12 +114,14 @@ class RequestSpans:
         prefills: list[Span] = []
         decodes: list[_Request] = []
         links: list[Link] = []
+        num_traced = 0
         if requests:
             for req_id, position in _positions(step):
                 request = requests.get(req_id)
                 if request is None:
                     continue
                 num_tokens = scheduled.get(req_id, 0)
+                num_traced += 1
                 if position < request.prefill_until:
                     span = self._prefill_span(request, step, position, num_tokens, start_ns)
                     prefills.append(span)
@@ -142,8 +146,9 @@ class RequestSpans:
                 decode.compute_ns += end_ns - start_ns
                 decode.last_step, decode.last_end_ns = step.step_id, end_ns
                 decodes.append(request)
-                links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
-        step_span = self._step_span(step, start_ns, links)
+                if decode.num_steps == 1 or self.detailed:
+                    links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
+        step_span = self._step_span(step, start_ns, links, num_traced)
         if error is not None:
             step_span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
         step_context = step_span.get_span_context() if step_span.is_recording() else None
@@ -195,7 +200,9 @@ class RequestSpans:
             },
         )
 
-    def _step_span(self, step: StepMessage, start_ns: int, links: list[Link]) -> Span:
+    def _step_span(
+        self, step: StepMessage, start_ns: int, links: list[Link], num_traced: int
+    ) -> Span:
         scheduled = step.num_scheduled_tokens
         num_tokens = sum(scheduled.values())
         decode_tokens = sum(1 for r in step.cached_reqs if scheduled.get(r.req_id) == 1)
@@ -215,6 +222,7 @@ class RequestSpans:
                 Attr.MESSAGING_OPERATION_TYPE: "process",
                 Attr.MESSAGING_DESTINATION_NAME: self.steps_stream,
                 Attr.MESSAGING_BATCH_MESSAGE_COUNT: len(scheduled),
+                Attr.NUM_TRACED_REQUESTS: num_traced,
             },
         )
 

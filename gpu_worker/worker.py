@@ -99,6 +99,7 @@ class WorkerService:
         self.tp_group = GroupFormer(config, r, runner.model.tp, runner.device)
         # Rank 0 shows the requests' work; every rank keeps its own step spans.
         self.spans: RequestSpans | None = None
+        self._untraced: tuple[StepMessage, int, int, str | None] | None = None
         if tracer is not None:
             self.spans = RequestSpans(
                 tracer, self.worker_id, self.steps_stream,
@@ -126,6 +127,7 @@ class WorkerService:
             await self._loop()
         finally:
             if self.spans is not None:
+                self._trace_last_step()
                 self.spans.close_all("shutdown")
             await asyncio.to_thread(heartbeat.stop)
             with contextlib.suppress(aioredis.RedisError):
@@ -194,6 +196,7 @@ class WorkerService:
                 if reply is not None:
                     await reply  # answered while the step computed; raises if it failed
                 reply = await _started(self._reply(entry, result))
+                self._trace_last_step()  # while the result travels to the ledger
         finally:
             # Leaving on an error or a cancel: what is still in flight is dropped here, its
             # outcome retrieved; after a reconnect `_loop` sends the unconfirmed results again
@@ -230,6 +233,14 @@ class WorkerService:
                 return None
             self.leader_token = msg.leader_token
         return msg
+
+    def _trace_last_step(self) -> None:
+        """The spans of the step just run: after its result is on its way, off the critical
+        path of the step loop."""
+        if self.spans is not None and self._untraced is not None:
+            step, start_ns, end_ns, error = self._untraced
+            self._untraced = None
+            self.spans.step(step, start_ns, end_ns, error)
 
     async def _reply(self, entry: redis_streams.Entry, result: StepResult) -> None:
         """The result and the ack in one round trip; confirmed once Redis answered."""
@@ -272,7 +283,7 @@ class WorkerService:
         elapsed = time.perf_counter() - started
         self.steps_done += 1
         if self.spans is not None:
-            self.spans.step(step, start_ns, start_ns + int(elapsed * 1e9), error)
+            self._untraced = (step, start_ns, start_ns + int(elapsed * 1e9), error)
         return StepResult(
             step_id=step.step_id,
             epoch=step.epoch,
@@ -336,7 +347,10 @@ async def serve(config: WorkerConfig) -> None:
         runner.name = config.served_model_name
     r = redis_streams.connect(config.redis_url)
     try:
-        await WorkerService(config, r, runner, tracer_if_on("kvledger-worker")).run()
+        await WorkerService(
+            config, r, runner, tracer_if_on("kvledger-worker"),
+            detailed_traces=bool(config.collect_detailed_traces),
+        ).run()  # fmt: skip
     finally:
         await r.aclose()
 

@@ -141,6 +141,7 @@ class Attr:
     LAST_STEP_ID = "kvledger.last_step_id"
     COMPUTE_S = "kvledger.compute_s"  # seconds of the steps it took part in, summed
     SEGMENT_END = "kvledger.segment.end"  # finished, preempted, idle, epoch or shutdown
+    NUM_TRACED_REQUESTS = "kvledger.num_traced_requests"  # sampled requests a step computed
     # kvledger.queue: what held it back, check by check (a check: one scheduler step)
     QUEUE_AHEAD = "kvledger.queue.ahead"  # waiting requests ahead of it when it (re)entered
     QUEUE_CHECKS = "kvledger.queue.checks"  # steps it waited through
@@ -167,7 +168,6 @@ SAMPLERS = (
     "always_off",
     "traceidratio",
 )
-DETAILED_MODULES = ("model", "worker", "all")  # vLLM's --collect-detailed-traces choices
 _PROTOCOLS = ("http/protobuf", "grpc")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _lock = threading.Lock()
@@ -210,18 +210,6 @@ class TracingSettings:
     @property
     def detailed_traces(self) -> bool:
         return bool(self.detailed)
-
-
-def parse_detailed_modules(text: str | None) -> tuple[str, ...]:
-    """vLLM's --collect-detailed-traces value (comma-separated model, worker, all)."""
-    names = tuple(part.strip().lower() for part in (text or "").split(",") if part.strip())
-    unknown = [n for n in names if n not in DETAILED_MODULES]
-    if unknown:
-        raise ValueError(
-            f"{text!r}: --collect-detailed-traces takes {', '.join(DETAILED_MODULES)} "
-            "(comma-separated, as vLLM's)"
-        )
-    return names
 
 
 _settings = TracingSettings()  # of the last setup_tracing call: get_tracer resolves names by it
@@ -333,11 +321,11 @@ def _otlp_exporter(endpoint: str, protocol: str, *, whole: bool = False) -> Span
         raise ValueError(f"{name}={endpoint!r} must be a URL such as http://jaeger:4318")
     protocol = protocol.lower()
     if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from observability.otlp_encoding import fast_otlp_http_exporter
 
         has_path = urlsplit(endpoint).path.strip("/") != ""
         url = endpoint if whole and has_path else otlp_traces_url(endpoint)
-        return OTLPSpanExporter(endpoint=url)
+        return fast_otlp_http_exporter(url)
     if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
@@ -363,9 +351,10 @@ def otlp_traces_url(endpoint: str) -> str:
 def kvledger_sampler(name: str | None = None, arg: str | None = None) -> Sampler:
     """OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG as the OpenTelemetry SDKs read them
     (default parentbased_always_on), plus one rule for batches: a root span that links to a
-    sampled span is sampled (a worker's step that computed a sampled request), so the links
-    from a request's work to its step always resolve. The gateway's root span is the only
-    decision the ratio makes; the ledger and the workers follow the traceparent's flag."""
+    sampled span, or says it computed sampled requests (`kvledger.num_traced_requests` > 0), is
+    sampled (a worker's step), so the links from a request's work to its step always resolve.
+    The gateway's root span is the one decision the ratio makes; the ledger and the workers
+    follow the traceparent's flag."""
     from opentelemetry.sdk.trace import sampling
 
     name = (name or "parentbased_always_on").strip().lower()
@@ -399,10 +388,9 @@ def _keep_linked_roots(base: Sampler) -> Sampler:
             trace_state=None,
         ):  # fmt: skip
             if (
-                links
-                and not trace.get_current_span(parent_context).get_span_context().is_valid
-                and any(link.context.trace_flags.sampled for link in links)
-            ):
+                (attributes and attributes.get(Attr.NUM_TRACED_REQUESTS))
+                or (links and any(link.context.trace_flags.sampled for link in links))
+            ) and not trace.get_current_span(parent_context).get_span_context().is_valid:
                 return sampling.SamplingResult(
                     sampling.Decision.RECORD_AND_SAMPLE, attributes, trace_state
                 )

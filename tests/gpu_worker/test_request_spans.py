@@ -79,12 +79,15 @@ async def test_prefill_chunks_and_decode_run_sit_in_the_requests_trace(redis_url
         step = steps[link["span_id"]]
         assert step["attributes"]["kvledger.step_id"] == prefill["attributes"]["kvledger.step_id"]
         assert prefill["span_id"] in {x["span_id"] for x in step["links"]}
-    # The decode run links to its first and last steps; every step it took part in links to it.
+    # The decode run links to its first and last steps, and its first step links to it (every
+    # step would, with --collect-detailed-traces: a link per request per step).
     first, last = (steps[link["span_id"]] for link in decode["links"])
     assert first["attributes"]["kvledger.step_id"] == a["kvledger.first_step_id"]
     assert last["attributes"]["kvledger.step_id"] == a["kvledger.last_step_id"]
     linking = [s for s in steps.values() if decode["span_id"] in {x["span_id"] for x in s["links"]}]
-    assert len(linking) == 5
+    assert linking == [first]
+    computed = [s for s in steps.values() if s["attributes"]["kvledger.num_traced_requests"]]
+    assert len(computed) >= 3 + 5  # every step r0 took part in says so
     # Six spans of work for a 40-token prompt and six tokens (three chunks, one decode run).
     assert len([s for s in trace if s["service_name"] == "kvledger-worker"]) == 4
 
@@ -153,6 +156,15 @@ def test_unsampled_requests_cost_no_spans_and_their_steps_follow_the_ratio():
     tracing.step(step_message(2, new=[new_req("b", sampled, 8)], scheduled={"b": 8}), 20, 30)
     names = sorted(s["name"] for s in spans.spans)
     assert names == ["kvledger.prefill", "kvledger.step"]
+    # b decodes: after its first decode step its steps link to nothing, and are still kept.
+    for step_id in (3, 4):
+        cached = [cached_req("b", 8 + step_id - 3)]
+        tracing.step(
+            step_message(step_id, cached=cached, scheduled={"b": 1}), step_id * 10, step_id * 10 + 5
+        )
+    steps = named(spans.spans, "kvledger.step")
+    assert [len(s["links"]) for s in steps] == [1, 1, 0]
+    assert [s["attributes"]["kvledger.num_traced_requests"] for s in steps] == [1, 1, 1]
 
 
 def test_the_default_sampler_is_parent_based_and_keeps_linked_roots():

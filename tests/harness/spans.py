@@ -112,10 +112,16 @@ def named(spans: Iterable[SpanDict], name: str) -> list[SpanDict]:
     return sorted((s for s in spans if s["name"] == name), key=lambda s: s["start_ns"])
 
 
-def render_tree(spans: list[SpanDict], *, attributes: Iterable[str] = ()) -> str:
-    """One trace as an indented tree (children in start order), with the chosen attributes,
-    each span's links (to the span they name, by name and request, when it is in `everything`)."""
+def render_tree(
+    spans: list[SpanDict],
+    *,
+    attributes: Iterable[str] = (),
+    everything: Iterable[SpanDict] = (),
+) -> str:
+    """One trace as an indented tree (children in start order) with the chosen attributes and
+    each span's links, named by the span they lead to when it is among `everything`."""
     keys = tuple(attributes)
+    targets = {s["span_id"]: s for s in everything}
     by_parent: dict[str | None, list[SpanDict]] = defaultdict(list)
     ids = {s["span_id"] for s in spans}
     for span in spans:
@@ -125,20 +131,37 @@ def render_tree(spans: list[SpanDict], *, attributes: Iterable[str] = ()) -> str
     lines: list[str] = []
 
     def walk(parent: str | None, depth: int) -> None:
+        pad = "  " * depth
         for span in sorted(by_parent[parent], key=lambda s: (s["start_ns"], s["name"])):
-            shown = {k: span["attributes"][k] for k in keys if k in span["attributes"]}
             start_ms = (span["start_ns"] - t0) / 1e6
             length_ms = (span["end_ns"] - span["start_ns"]) / 1e6
-            text = f"{'  ' * depth}{span['name']}  [{span['service_name']}] +{start_ms:.1f}ms {length_ms:.1f}ms"
-            if shown:
-                text += "  " + " ".join(
-                    f"{k.removeprefix('kvledger.')}={v}" for k, v in shown.items()
-                )
-            lines.append(text)
+            text = f"{pad}{span['name']} [{span['service_name']}] +{start_ms:.1f} ms, {length_ms:.1f} ms"
+            shown = [
+                f"{k}={_short(span['attributes'][k])}" for k in keys if k in span["attributes"]
+            ]
+            lines.append(text + ("  " + " ".join(shown) if shown else ""))
+            for event in span["events"]:
+                event_attrs = " ".join(f"{k}={_short(v)}" for k, v in event["attributes"].items())
+                lines.append(f"{pad}  · event {event['name']} {event_attrs}".rstrip())
             for link in span["links"]:
-                rid = link["attributes"].get("kvledger.request_id", "")
-                lines.append(f"{'  ' * depth}  -> link {rid}".rstrip())
+                target = targets.get(link["span_id"])
+                if target is None:
+                    described = "a span outside this collection"
+                else:
+                    rid = target["attributes"].get("kvledger.request_id")
+                    described = f"{target['name']} [{target['service_name']}]"
+                    if target["trace_id"] != span["trace_id"]:
+                        described += f" in the trace of {rid}" if rid else " in another trace"
+                lines.append(f"{pad}  → link to {described}")
             walk(span["span_id"], depth + 1)
 
     walk(None, 0)
     return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{', '.join(map(str, value[:4]))}, … {len(value)} in all]"
+    return str(value)
