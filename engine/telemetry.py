@@ -396,8 +396,8 @@ class LedgerTelemetry:
             Attr.QUEUE_REASONS: list(checks),
             Attr.QUEUE_REASON_CHECKS: list(checks.values()),
         }
-        if runs:
-            attributes[Attr.QUEUE_REASON] = runs[-1][0]
+        # No check held it: it waited only for the engine's next step (the steps in flight).
+        attributes[Attr.QUEUE_REASON] = runs[-1][0] if runs else "next_step"
         if wait.ahead is not None:
             attributes[Attr.QUEUE_AHEAD] = wait.ahead
         span = self.tracer.start_span(

@@ -145,7 +145,7 @@ class Attr:
     # kvledger.queue: what held it back, check by check (a check: one scheduler step)
     QUEUE_AHEAD = "kvledger.queue.ahead"  # waiting requests ahead of it when it (re)entered
     QUEUE_CHECKS = "kvledger.queue.checks"  # steps it waited through
-    QUEUE_REASON = "kvledger.queue.reason"  # what held it back at the last check
+    QUEUE_REASON = "kvledger.queue.reason"  # at the last check (next_step: no check held it)
     QUEUE_REASONS = "kvledger.queue.reasons"  # every reason, in order of first appearance
     QUEUE_REASON_CHECKS = "kvledger.queue.reason_checks"  # checks per reason, same order
     QUEUE_OUTCOME = "kvledger.queue.outcome"  # admitted, or the finish reason (abort, error)

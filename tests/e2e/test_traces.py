@@ -381,9 +381,16 @@ def test_write_the_trees_docs_tracing_md_walks(traced_run):
     traces = request_traces(traced_run)
     everything = traced_run["spans"]
     preempted = next(rid for rid, spans in traces.items() if named(spans, "kvledger.preempt"))
+    cause = named(traces[preempted], "kvledger.preempt")[0]["attributes"][
+        "kvledger.caused_by.request_id"
+    ]
     _, hit, *_, lost = traced_run["wave3"]
     out = []
-    for title, rid in (("preempted", preempted), ("prefix lost", lost["id"]), ("hit", hit["id"])):
+    cases = (
+        ("preempted", preempted), ("its cause", cause), ("prefix lost", lost["id"]),
+        ("hit", hit["id"]),
+    )  # fmt: skip
+    for title, rid in cases:
         out.append(f"## {title}: {rid}\n")
         out.append(render_tree(traces[rid], attributes=TREE_ATTRIBUTES, everything=everything))
         out.append("")

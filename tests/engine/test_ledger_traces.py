@@ -162,6 +162,9 @@ async def test_the_queue_span_says_what_held_it_back_and_survives_an_abort(redis
         await stack.stop()
 
     traces = traced.traces()
+    # r0 was admitted by the first step after it came: nothing held it but the step loop.
+    r0 = queue_of(traces["r0"])["attributes"]
+    assert (r0["kvledger.queue.reason"], r0["kvledger.queue.checks"]) == ("next_step", 0)
     # r2 waited at the head for a seat; r3 first behind r2, then at the head for a seat.
     r2 = queue_of(traces["r2"])["attributes"]
     assert (r2["kvledger.queue.reasons"], r2["kvledger.queue.reason"]) == (["seats"], "seats")
