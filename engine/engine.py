@@ -234,8 +234,9 @@ class Engine:
                 continue
             if len(self.in_flight) < self.depth and self._can_schedule():
                 out = self.scheduler.schedule()
+                scheduled_ns = time.time_ns()  # the spans' time: before the workers start
                 await self._dispatch(out)  # the workers run it
-                await self._while_workers_compute(out)
+                await self._while_workers_compute(out, scheduled_ns)
                 if not out.is_empty and len(self.in_flight) < self.depth:
                     continue  # fill the pipeline before waiting
             if not self.in_flight:
@@ -283,9 +284,11 @@ class Engine:
         )
         self.in_flight.append((out, time.monotonic()))
 
-    async def _while_workers_compute(self, out: SchedulerOutput[Tracked]) -> None:
+    async def _while_workers_compute(
+        self, out: SchedulerOutput[Tracked], scheduled_ns: int
+    ) -> None:
         """Spans, KV events, the last step's tokens and metrics, while the workers compute."""
-        self.telemetry.on_schedule(out, self.manager)
+        self.telemetry.on_schedule(out, self.manager, scheduled_ns)
         await self._publish_events(self.manager.take_events())
         await self._flush_outputs()
         self.telemetry.update_metrics(self.scheduler, self.manager)

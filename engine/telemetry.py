@@ -19,6 +19,7 @@ the gateway) cost spans; the rest cost a dictionary look-up per admission and pr
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ MAX_HOLDS = 65_536  # runs of held steps remembered (a wait longer than that is 
 MAX_QUEUE_EVENTS = 16  # kvledger.queue.held events on one queue span (the attributes count all)
 
 log = get_logger("kvledger.ledger")
+_stdlib_log = logging.getLogger("kvledger.ledger")  # its level, read before a debug line
 
 
 @dataclass(slots=True)
@@ -180,8 +182,12 @@ class LedgerTelemetry:
 
     # ------------------------------------------------------------------ one step
 
-    def on_schedule(self, out: SchedulerOutput[Tracked], manager: KVCacheManager) -> None:
-        now = time.time_ns()
+    def on_schedule(
+        self, out: SchedulerOutput[Tracked], manager: KVCacheManager, now: int | None = None
+    ) -> None:
+        """The step's admissions, preemptions, evictions and hold; `now`: when it was
+        scheduled (wall-clock ns), before the workers started on it."""
+        now = time.time_ns() if now is None else now
         if out.evictions:
             self._evictions(out, now)
         if out.admissions:
@@ -203,14 +209,15 @@ class LedgerTelemetry:
         rid = admission.request_id
         wait = self.waits.pop(rid, None)
         since = wait.since_ns if wait is not None else now
-        with self.in_request(rid):
-            log.debug(
-                "request_admitted",
-                req_id=rid,
-                resumed=admission.resumed,
-                prefix_hit_tokens=admission.num_hit_tokens,
-                blocks_allocated=admission.num_new_blocks,
-            )
+        if _stdlib_log.isEnabledFor(logging.DEBUG):
+            with self.in_request(rid):
+                log.debug(
+                    "request_admitted",
+                    req_id=rid,
+                    resumed=admission.resumed,
+                    prefix_hit_tokens=admission.num_hit_tokens,
+                    blocks_allocated=admission.num_new_blocks,
+                )
         if not admission.resumed:
             queued_s = max(now - since, 0) / 1e9
             if request is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -20,7 +21,15 @@ from urllib.parse import urlsplit
 from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, Tracer
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    TraceFlags,
+    Tracer,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
@@ -170,6 +179,7 @@ SAMPLERS = (
 )
 _PROTOCOLS = ("http/protobuf", "grpc")
 _PROPAGATOR = TraceContextTextMapPropagator()
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _lock = threading.Lock()
 _providers: dict[str, TracerProvider] = {}
 
@@ -448,10 +458,17 @@ def inject_traceparent(span_or_context: Span | SpanContext | Context | None = No
 
     None when there is no valid span, e.g. when tracing is off and nothing came in from outside.
     """
-    if isinstance(span_or_context, SpanContext):
-        span_or_context = NonRecordingSpan(span_or_context)
+    if span_or_context is None:
+        span_or_context = trace.get_current_span()
     if isinstance(span_or_context, Span):
-        span_or_context = trace.set_span_in_context(span_or_context, Context())
+        span_or_context = span_or_context.get_span_context()
+    if isinstance(span_or_context, SpanContext):  # written out: once per request and choice
+        if not span_or_context.is_valid:
+            return None
+        return (
+            f"00-{span_or_context.trace_id:032x}-{span_or_context.span_id:016x}-"
+            f"{span_or_context.trace_flags:02x}"
+        )
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=span_or_context)
     return carrier.get("traceparent")
@@ -471,6 +488,14 @@ def span_context_from_traceparent(traceparent: str | bytes | None) -> SpanContex
         traceparent = traceparent.decode("ascii", errors="replace")
     if not isinstance(traceparent, str) or not traceparent:
         return None
+    common = _TRACEPARENT.fullmatch(traceparent)  # the form every kvledger service writes
+    if common is not None:
+        trace_hex, span_hex, flags_hex = common.groups()
+        span_context = SpanContext(
+            int(trace_hex, 16), int(span_hex, 16), is_remote=True,
+            trace_flags=TraceFlags(int(flags_hex, 16)),
+        )  # fmt: skip
+        return span_context if span_context.is_valid else None
     try:
         context = _PROPAGATOR.extract({"traceparent": traceparent.strip()}, context=Context())
     except Exception:  # a malformed message must never take down the consumer that reads it

@@ -395,3 +395,4 @@ def test_write_the_trees_docs_tracing_md_walks(traced_run):
         out.append(render_tree(traces[rid], attributes=TREE_ATTRIBUTES, everything=everything))
         out.append("")
     Path(target).write_text("\n".join(out))
+    Path(target).with_suffix(".json").write_text(json.dumps(everything, default=str))

@@ -106,8 +106,16 @@ async def test_a_request_that_finds_its_prefix_evicted_links_to_the_eviction(red
         await stack.stop()
 
     traces = traced.traces()
+    # Every request's work is in its trace: a prefill, and a decode run for its later tokens.
+    for rid in ("first", "hit", "lost", "fill0", "fill1", "fill2", "fill3"):
+        tokens = len(stack.results[rid].tokens)
+        runs = named(traces[rid], "kvledger.decode")
+        assert named(traces[rid], "kvledger.prefill") and runs, rid
+        assert sum(r["attributes"]["kvledger.num_computed_tokens"] for r in runs) == tokens - 1
     (hit,) = named(traces["hit"], "kvledger.admit")
     assert hit["attributes"]["kvledger.prefix_hit.tokens"] == 48
+    # Admitted (scheduled) before the worker started on it: the tree reads in order.
+    assert hit["start_ns"] <= named(traces["hit"], "kvledger.prefill")[0]["start_ns"]
     assert "kvledger.prefix_lost.tokens" not in hit["attributes"]
 
     (lost,) = named(traces["lost"], "kvledger.admit")
