@@ -73,10 +73,11 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
         children = fan_out([resolve(job, limits) for job in jobs])
         model, operation = limits.model_name, genai.operation_name(kind)
         with gw.tracer.start_as_current_span(
-            genai.span_name(operation, model),
-            attributes=genai.request_attributes(children[0], operation, model),
-            record_exception=False, set_status_on_exception=False,
+            genai.span_name(operation, model), record_exception=False,
+            set_status_on_exception=False,
         ) as generation:  # fmt: skip
+            if generation.is_recording():
+                generation.set_attributes(genai.request_attributes(children[0], operation, model))
             gens: list[Generation] = []
             try:
                 for job in children:
@@ -97,11 +98,12 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
                 generation.set_status(Status(StatusCode.ERROR, str(exc)))
                 raise
             finally:
-                generation.set_attributes(
-                    genai.response_attributes(gens, total_usage(gens), model, arrival)
-                )
-                if gens:
-                    span.set_attribute(Attr.REQUEST_ID, gens[0].req_id)
+                if generation.is_recording():  # a trace the sampler left out costs nothing here
+                    generation.set_attributes(
+                        genai.response_attributes(gens, total_usage(gens), model, arrival)
+                    )
+                    if gens:
+                        span.set_attribute(Attr.REQUEST_ID, gens[0].req_id)
 
 
 async def _read_body(request: web.Request, timeout_s: float) -> bytes:
