@@ -6,8 +6,14 @@ says how many tokens it lost; a queued request says what held it back."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+import logging
 
-from observability import inject_traceparent
+import pytest
+import structlog
+
+from observability import configure_logging, inject_traceparent
 from tests.engine.test_ledger_service import prompts
 from tests.harness.spans import SpanCollector, named, traces_by_request
 from tests.harness.stack import Stack
@@ -26,11 +32,14 @@ class Traced:
             **kwargs,
         )  # fmt: skip
 
-    async def submit(self, req_id: str, prompt: list[int], max_tokens: int, **kwargs) -> None:
+    async def submit(self, req_id: str, prompt: list[int], max_tokens: int, **kwargs) -> str:
+        """Its trace id."""
         root = self.spans.tracer("test-gateway").start_span(req_id)
         traceparent = inject_traceparent(root)
         await self.stack.submit(req_id, prompt, max_tokens, traceparent=traceparent, **kwargs)
         root.end()
+        assert traceparent is not None
+        return traceparent.split("-")[1]
 
     def traces(self):
         return traces_by_request(self.spans.spans)
@@ -215,3 +224,45 @@ async def test_under_the_priority_policy_the_queue_span_names_priority(redis_url
     assert [e["kvledger.queue.reason"] for e in held][-2:] == ["priority", "seats"]
     assert held[-2]["kvledger.queue.head_request_id"] == "high"
     assert queue_of(traces["high"])["attributes"]["kvledger.queue.reason"] == "seats"
+
+
+@pytest.fixture
+def json_logs():
+    """The process's logging as a service configures it (JSON), into a buffer; put back after."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    stream = io.StringIO()
+    configure_logging("kvledger-ledger", fmt="json", stream=stream)
+    yield stream
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.captureWarnings(False)
+    structlog.reset_defaults()
+
+
+async def test_the_ledgers_lines_about_a_request_carry_its_trace_id(
+    redis_url, tiny_model, json_logs
+):
+    traced = Traced(redis_url, tiny_model, num_blocks=64, max_num_seqs=1, max_model_len=128)
+    stack = traced.stack
+    await stack.start()
+    try:
+        first, queued, long = prompts(3, 20, seed=31)
+        trace_ids = {"running": await traced.submit("running", first, 60)}
+        while not stack.results["running"].tokens:
+            await asyncio.sleep(0.02)
+        trace_ids["queued"] = await traced.submit("queued", queued, 4)  # no seat: it waits
+        await stack.abort("queued")
+        await stack.abort("running")
+        trace_ids["refused"] = await traced.submit("refused", long * 7, 4)  # past max_model_len
+        await stack.wait(["running", "queued", "refused"])
+    finally:
+        await stack.stop()
+
+    lines = [json.loads(line) for line in json_logs.getvalue().splitlines()]
+    about = [line for line in lines if line.get("req_id") in trace_ids]
+    assert sorted(line["event"] for line in about) == [
+        "request_aborted", "request_aborted", "request_rejected",
+    ]  # fmt: skip
+    for line in about:
+        assert line["trace_id"] == trace_ids[line["req_id"]], line
