@@ -45,7 +45,7 @@ from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import Request, RequestStatus
 from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from observability import LedgerMetrics, get_logger, new_registry
+from observability import LedgerMetrics, get_logger, in_trace, new_registry
 from services.config import LedgerConfig
 from services.startup import freeze_after_startup
 from services.transport import redis_streams, registry
@@ -119,7 +119,7 @@ class Engine:
         )
         self.hasher = BlockHasher(config.hash_algo) if config.enable_prefix_caching else None
         self.metrics = LedgerMetrics(new_registry(), self.model_name)
-        self.telemetry = LedgerTelemetry(tracer, self.metrics)
+        self.telemetry = LedgerTelemetry(tracer, self.metrics, self.scheduler)
         self.depth = 2 if config.async_scheduling else 1  # steps in flight at once
         self.in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = (
             collections.deque()
@@ -193,6 +193,7 @@ class Engine:
             if self.crashed is not None:
                 raise self.crashed
         finally:
+            self.telemetry.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -268,8 +269,9 @@ class Engine:
                 continue
             if len(self.in_flight) < self.depth and self._can_schedule():
                 out = self.scheduler.schedule()
+                scheduled_ns = time.time_ns()  # the spans' time: before the workers start
                 await self._dispatch(out)  # the workers run it
-                await self._while_workers_compute(out)
+                await self._while_workers_compute(out, scheduled_ns)
                 if not out.is_empty and len(self.in_flight) < self.depth:
                     continue  # fill the pipeline before waiting
             if not self.in_flight:
@@ -319,9 +321,11 @@ class Engine:
         )
         self.in_flight.append((out, time.monotonic()))
 
-    async def _while_workers_compute(self, out: SchedulerOutput[Tracked]) -> None:
+    async def _while_workers_compute(
+        self, out: SchedulerOutput[Tracked], scheduled_ns: int
+    ) -> None:
         """Spans, KV events, the last step's tokens and metrics, while the workers compute."""
-        self.telemetry.on_schedule(out, self.manager)
+        self.telemetry.on_schedule(out, self.manager, scheduled_ns)
         await self._publish_events(self.manager.take_events())
         await self._flush_outputs()
         self.telemetry.update_metrics(self.scheduler, self.manager)
@@ -362,7 +366,8 @@ class Engine:
             self.metrics.record_failed_requests(reason, len(doomed))
         for req_id, error in doomed.items():
             for request in self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ERROR):
-                log.error("request_failed", req_id=req_id, reason=reason, error=error)
+                with self.telemetry.in_request(req_id):
+                    log.error("request_failed", req_id=req_id, reason=reason, error=error)
                 # The reason clients read comes from the status: FINISHED_ERROR is "error".
                 finish_reason = RequestStatus.finish_reason(request.status)
                 await self._finish_tracking(
@@ -449,11 +454,12 @@ class Engine:
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
-            log.warning("request_rejected", req_id=msg.req_id, error=problem)
+            with in_trace(msg.traceparent):
+                log.warning("request_rejected", req_id=msg.req_id, error=problem)
             await self.outputs.send(msg.gateway_id, rejection(msg, problem))
             await self.intake.ack([entry])
             return
-        self.telemetry.request_added(msg.req_id, msg.traceparent, msg.arrival_time)
+        self.telemetry.request_added(request)
 
     async def _abort_for_gone_gateways(self) -> None:
         """A gateway that died cannot abort its requests, and nobody reads their tokens: once
@@ -471,7 +477,8 @@ class Engine:
 
     async def _abort(self, msg: AbortRequest) -> None:
         for request in self.scheduler.finish_requests([msg.req_id], RequestStatus.FINISHED_ABORTED):
-            log.info("request_aborted", req_id=msg.req_id, reason=msg.reason)
+            with self.telemetry.in_request(msg.req_id):
+                log.info("request_aborted", req_id=msg.req_id, reason=msg.reason)
             await self._finish_tracking(request, request_output(request, [], "abort"))
 
     # ------------------------------------------------------------------ outputs
@@ -490,7 +497,9 @@ class Engine:
     ) -> None:
         tracked = request.payload
         self.quarantine.forget(request.request_id)
-        self.telemetry.request_finished(request.request_id)
+        self.telemetry.request_finished(
+            request.request_id, final.finish_reason if final is not None else None
+        )
         if final is not None:
             await self._flush_outputs()  # a final output must not overtake tokens held back
             await self.outputs.send(tracked.msg.gateway_id, final)

@@ -36,6 +36,7 @@ class Tracked:
     msg: GenerateRequest
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # of tokens not yet sent
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # by prompt position
+    queued_s: float | None = None  # arrival to first admission, sent with the first tokens
 
 
 def validate_request(msg: GenerateRequest, vocab_size: int, max_model_len: int) -> str | None:
@@ -152,6 +153,7 @@ def request_output(
     if count and position == 0 and sampling.prompt_logprobs is not None:
         prompt_logprobs = [tracked.prompt_logprobs[p] for p in sorted(tracked.prompt_logprobs)]
     num_cached_tokens = request.num_cached_tokens
+    queued_s = tracked.queued_s if count and position == 0 else None
     # Positional: one per request per step, and keywords cost a third of the call.
     return RequestOutput(
         request.request_id,
@@ -166,6 +168,8 @@ def request_output(
         error,
         logprobs,
         prompt_logprobs,
+        False,  # unavailable: only a request the ledger gives up on (failure_output)
+        queued_s,
     )
 
 
@@ -217,6 +221,7 @@ def build_step_message(out: SchedulerOutput[Tracked], epoch: str, block_size: in
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.request.payload.msg.sampling,
                 traceparent=traceparent(new.request),
+                num_preemptions=new.request.num_preemptions,
             )
             for new in out.scheduled_new_reqs
         ],
@@ -226,7 +231,6 @@ def build_step_message(out: SchedulerOutput[Tracked], epoch: str, block_size: in
                 new_token_ids=c.new_token_ids,
                 new_block_ids=c.new_block_ids,
                 num_computed_tokens=c.num_computed_tokens,
-                traceparent=traceparent(c.request),
             )
             for c in out.scheduled_cached_reqs
         ],

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from gateway import genai
 from gateway.answer import respond, stream, total_usage
 from gateway.bodies import Meta
 from gateway.fanout import FanOut
@@ -50,13 +51,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
-    """The request's SERVER span is the root of its trace; the ledger and workers join it."""
+    """The request's SERVER span is the root of its trace; its GenAI span (`gateway.genai`)
+    holds the generation, and the ledger and workers join that."""
     gw = request.app[GATEWAY]
-    attributes = {
-        Attr.HTTP_REQUEST_METHOD: request.method,
-        Attr.URL_PATH: request.path,
-        Attr.GEN_AI_OPERATION_NAME: "chat" if kind == "chat" else "text_completion",
-    }
+    attributes = {Attr.HTTP_REQUEST_METHOD: request.method, Attr.URL_PATH: request.path}
     with gw.tracer.start_as_current_span(
         f"{request.method} {request.path}", kind=SpanKind.SERVER, attributes=attributes,
         record_exception=False, set_status_on_exception=False,
@@ -89,24 +87,42 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
         # One ledger request per choice (n samples of every prompt), all under one response id.
         children = fan_out([resolve(job, limits) for job in jobs])
         assert len(children) == places, "count_sequences and fan_out disagree"
-        span.set_attribute(Attr.GEN_AI_REQUEST_MODEL, limits.model_name)
-        gens: list[Generation] = []
-        for job in children:
-            response_id = gens[0].response_id if gens else None
-            gens.append(Generation(gw, job, lambda: _client_gone(request), arrival, response_id))
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                fan = FanOut(gens, stack)
-                try:
-                    await fan.start()
-                    meta = Meta(kind, gens[0].response_id, int(time.time()), limits.model_name)
-                    if children[0].stream:
-                        return await stream(request, gens, meta)
-                    return await respond(gens, meta)
-                finally:
-                    await fan.close()  # nothing more is enqueued once the response ends
-        finally:
-            span.set_attributes(gens[0].span_attributes(total_usage(gens)))
+        model, operation = limits.model_name, genai.operation_name(kind)
+        with gw.tracer.start_as_current_span(
+            genai.span_name(operation, model), record_exception=False,
+            set_status_on_exception=False,
+        ) as generation:  # fmt: skip
+            if generation.is_recording():
+                generation.set_attributes(genai.request_attributes(children[0], operation, model))
+            gens: list[Generation] = []
+            try:
+                for job in children:
+                    response_id = gens[0].response_id if gens else None
+                    gens.append(
+                        Generation(gw, job, lambda: _client_gone(request), arrival, response_id)
+                    )
+                async with contextlib.AsyncExitStack() as stack:
+                    fan = FanOut(gens, stack)
+                    try:
+                        await fan.start()
+                        meta = Meta(kind, gens[0].response_id, int(time.time()), model)
+                        if children[0].stream:
+                            return await stream(request, gens, meta)
+                        return await respond(gens, meta)
+                    finally:
+                        await fan.close()  # nothing more is enqueued once the response ends
+            except BaseException as exc:
+                error = exc.err_type if isinstance(exc, ApiError) else type(exc).__name__
+                generation.set_attribute(Attr.ERROR_TYPE, error)
+                generation.set_status(Status(StatusCode.ERROR, str(exc)))
+                raise
+            finally:
+                if generation.is_recording():  # a trace the sampler left out costs nothing here
+                    generation.set_attributes(
+                        genai.response_attributes(gens, total_usage(gens), model, arrival)
+                    )
+                    if gens:
+                        span.set_attribute(Attr.REQUEST_ID, gens[0].req_id)
 
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:

@@ -18,13 +18,11 @@ from gateway.fields import ApiError
 from gateway.output_reader import SHUTDOWN, TokenTracker
 from gateway.protocol import Job, sampling_params
 from gateway.stops import StopMatcher
-from observability import Attr, get_logger, inject_traceparent, usage_attributes
+from observability import get_logger, inject_traceparent
 from services.tokenization.tokenizer import IncrementalDetokenizer
 from services.wire.messages import GenerateRequest, RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
-    from opentelemetry.util.types import AttributeValue
-
     from gateway.state import Gateway
 
 log = get_logger("gateway.inflight")
@@ -94,6 +92,8 @@ class Generation:
         )
         self.stops = StopMatcher(job.stop, include_stop_str=job.include_stop_str_in_output)
         self.first_token_s: float | None = None
+        self.enqueued_at: float | None = None  # time.monotonic() when it went on the stream
+        self.last_token_at: float | None = None  # time.monotonic() of its last token
         self.finish_reason: str | None = None
         self.ended_by: BaseException | None = None  # an error the handler caught and answered
         self._enqueued = False
@@ -124,6 +124,7 @@ class Generation:
         )
         # Set first: an XADD cut short (cancelled, or its reply lost) may still have landed.
         self._enqueued = True
+        self.enqueued_at = time.monotonic()
         try:
             await self.gw.enqueue(request, self.replica)
         except BaseException as exc:
@@ -191,9 +192,11 @@ class Generation:
             new_ids = self.tracker.accept(await self._next_output())
             self._started()
             logprobs = self._logprobs(start)
-            if new_ids and self.first_token_s is None:
-                self.first_token_s = time.monotonic() - self.arrival
-                self.gw.metrics.record_first_token(self.first_token_s)
+            if new_ids:
+                self.last_token_at = time.monotonic()
+                if self.first_token_s is None:
+                    self.first_token_s = self.last_token_at - self.arrival
+                    self.gw.metrics.record_first_token(self.first_token_s)
             final = self.tracker.final
             if final is not None and final.finish_reason == "error":
                 self.finish_reason = "error"
@@ -289,20 +292,6 @@ class Generation:
             completion_tokens=len(self.tracker.token_ids),
             cached_tokens=self.tracker.num_cached_tokens or 0,
         )
-
-    def span_attributes(self, usage: Usage | None = None) -> dict[str, AttributeValue]:
-        """This generation's attributes; `usage` is the whole response's when it has choices."""
-        usage = usage or self.usage()
-        attributes = usage_attributes(
-            input_tokens=usage.prompt_tokens,
-            output_tokens=usage.completion_tokens,
-            cache_read_input_tokens=usage.cached_tokens,
-            time_to_first_token_s=self.first_token_s,
-        )
-        attributes[Attr.REQUEST_ID] = self.req_id
-        if self.finish_reason is not None:
-            attributes[Attr.GEN_AI_RESPONSE_FINISH_REASONS] = [self.finish_reason]
-        return attributes
 
 
 def _abort_reason(exc: BaseException) -> str:

@@ -41,6 +41,7 @@ class TokenTracker:
         self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.final: RequestOutput | None = None  # the output that finished the request
         self.num_cached_tokens: int | None = None
+        self.queued_s: float | None = None  # arrival to first admission, from the ledger
         self._early: dict[int, RequestOutput] = {}
 
     @property
@@ -53,6 +54,8 @@ class TokenTracker:
             return []
         if self.num_cached_tokens is None:
             self.num_cached_tokens = out.num_cached_tokens  # set at first admission
+        if out.queued_s is not None and self.queued_s is None:
+            self.queued_s = out.queued_s
         start = len(self.token_ids)
         if out.finished and out.finish_reason in TERMINAL_REASONS:
             self.final = out

@@ -21,16 +21,16 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import torch
-from opentelemetry.trace import SpanKind
 
 from gpu_worker.devices import resolve_device
 from gpu_worker.parallel import TensorParallel, TensorParallelError
 from gpu_worker.profile import ProfileSettings
+from gpu_worker.request_spans import RequestSpans
 from gpu_worker.runner import ModelRunner, RequestsFailed, RunnerConfig, StepError, StepOutput
 from gpu_worker.threads import configure_cpu_threads
 from gpu_worker.tp_group import GroupFormer
 from kernels import BackendError
-from observability import Attr, SpanName, get_logger, links_from_traceparents, tracer_if_on
+from observability import get_logger, tracer_if_on
 from services.config import WorkerConfig
 from services.startup import StartupError, freeze_after_startup
 from services.transport import redis_streams, registry
@@ -48,7 +48,13 @@ def default_worker_id() -> str:
 
 class WorkerService:
     def __init__(
-        self, config: WorkerConfig, r: aioredis.Redis, runner: ModelRunner, tracer=None
+        self,
+        config: WorkerConfig,
+        r: aioredis.Redis,
+        runner: ModelRunner,
+        tracer=None,
+        *,
+        detailed_traces: bool = False,
     ) -> None:
         if not config.redis_url:
             raise ValueError(
@@ -93,6 +99,14 @@ class WorkerService:
         self.unconfirmed: list[tuple[redis_streams.Entry, StepResult]] = []
         self.leader_token = 0  # the highest ledger fencing token seen on a step
         self.tp_group = GroupFormer(config, r, runner.model.tp, runner.device)
+        # Rank 0 shows the requests' work; every rank keeps its own step spans.
+        self.spans: RequestSpans | None = None
+        self._untraced: tuple[StepMessage, int, int, str | None] | None = None
+        if tracer is not None:
+            self.spans = RequestSpans(
+                tracer, self.worker_id, self.steps_stream,
+                requests=runner.model.tp.rank == 0, detailed=detailed_traces,
+            )  # fmt: skip
 
     async def run(self) -> None:
         # The worker may start before its Redis (or while it restarts): wait for it with the
@@ -114,6 +128,9 @@ class WorkerService:
         try:
             await self._loop()
         finally:
+            if self.spans is not None:
+                self._trace_last_step()
+                self.spans.close_all("shutdown")
             await asyncio.to_thread(heartbeat.stop)
             with contextlib.suppress(aioredis.RedisError):
                 await registry.unregister(self.r, self.cfg.streams, self.hello)
@@ -159,6 +176,8 @@ class WorkerService:
             while True:
                 if not entries:
                     entries = await (ahead or self.reader.read(count=4, block_ms=1000))
+                    if not entries and ahead is None and self.spans is not None:
+                        self.spans.idle()  # a second without a step
                     ahead = None
                     continue
                 entry = entries.pop(0)
@@ -179,6 +198,7 @@ class WorkerService:
                 if reply is not None:
                     await reply  # answered while the step computed; raises if it failed
                 reply = await _started(self._reply(entry, result))
+                self._trace_last_step()  # while the result travels to the ledger
         finally:
             # Leaving on an error or a cancel: what is still in flight is dropped here, its
             # outcome retrieved; after a reconnect `_loop` sends the unconfirmed results again
@@ -215,6 +235,14 @@ class WorkerService:
                 return None
             self.leader_token = msg.leader_token
         return msg
+
+    def _trace_last_step(self) -> None:
+        """The spans of the step just run: after its result is on its way, off the critical
+        path of the step loop."""
+        if self.spans is not None and self._untraced is not None:
+            step, start_ns, end_ns, error = self._untraced
+            self._untraced = None
+            self.spans.step(step, start_ns, end_ns, error)
 
     async def _reply(self, entry: redis_streams.Entry, result: StepResult) -> None:
         """The result and the ack in one round trip; confirmed once Redis answered."""
@@ -256,7 +284,8 @@ class WorkerService:
                 self.tp_group.broken(step.epoch)
         elapsed = time.perf_counter() - started
         self.steps_done += 1
-        self._trace_step(step, start_ns, error)
+        if self.spans is not None:
+            self._untraced = (step, start_ns, start_ns + int(elapsed * 1e9), error)
         return StepResult(
             step_id=step.step_id,
             epoch=step.epoch,
@@ -269,37 +298,6 @@ class WorkerService:
             leader_token=step.leader_token,
             failed_requests=failed,
         )
-
-    def _trace_step(self, step: StepMessage, start_ns: int, error: str | None) -> None:
-        if self.tracer is None:
-            return
-        pairs = [(r.traceparent, {Attr.REQUEST_ID: r.req_id}) for r in step.new_reqs]
-        pairs += [(r.traceparent, {Attr.REQUEST_ID: r.req_id}) for r in step.cached_reqs]
-        num_tokens = sum(step.num_scheduled_tokens.values())
-        decode_tokens = sum(
-            1 for r in step.cached_reqs if step.num_scheduled_tokens.get(r.req_id) == 1
-        )
-        span = self.tracer.start_span(
-            SpanName.STEP,
-            kind=SpanKind.CONSUMER,
-            start_time=start_ns,
-            links=links_from_traceparents(pairs),
-            attributes={
-                Attr.STEP_ID: step.step_id,
-                Attr.WORKER_ID: self.worker_id,
-                Attr.BATCH_SIZE: len(pairs),
-                Attr.NUM_TOKENS: num_tokens,
-                Attr.NUM_DECODE_TOKENS: decode_tokens,
-                Attr.NUM_PREFILL_TOKENS: num_tokens - decode_tokens,
-                Attr.MESSAGING_SYSTEM: "redis",
-                Attr.MESSAGING_OPERATION_TYPE: "process",
-                Attr.MESSAGING_DESTINATION_NAME: self.steps_stream,
-                Attr.MESSAGING_BATCH_MESSAGE_COUNT: len(pairs),
-            },
-        )
-        if error is not None:
-            span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
-        span.end()
 
 
 async def serve(config: WorkerConfig) -> None:
@@ -351,7 +349,10 @@ async def serve(config: WorkerConfig) -> None:
         runner.name = config.served_model_name
     r = redis_streams.connect(config.redis_url)
     try:
-        await WorkerService(config, r, runner, tracer_if_on("kvledger-worker")).run()
+        await WorkerService(
+            config, r, runner, tracer_if_on("kvledger-worker"),
+            detailed_traces=bool(config.collect_detailed_traces),
+        ).run()  # fmt: skip
     finally:
         await r.aclose()
 

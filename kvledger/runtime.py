@@ -36,24 +36,40 @@ def require_redis_url(config: CommonConfig, service: str) -> str:
     return config.redis_url
 
 
-def tracing_settings() -> TracingSettings:
-    """OpenTelemetry's standard variables (declared in services.environment.ENV_VARS)."""
+def tracing_settings(config: CommonConfig | None = None) -> TracingSettings:
+    """vLLM's flags (--otlp-traces-endpoint, --collect-detailed-traces) and OpenTelemetry's
+    standard variables (declared in services.environment.ENV_VARS)."""
     return TracingSettings(
         endpoint=env("OTEL_EXPORTER_OTLP_ENDPOINT"),
         exporters=env("OTEL_TRACES_EXPORTER"),
         protocol=env("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf",
         service_name=env("OTEL_SERVICE_NAME"),
+        traces_endpoint=config.otlp_traces_endpoint if config is not None else None,
+        sampler=env("OTEL_TRACES_SAMPLER"),
+        sampler_arg=env("OTEL_TRACES_SAMPLER_ARG"),
+        detailed=config.collect_detailed_traces if config is not None else (),
     )
 
 
 def setup_observability(service: str, config: CommonConfig) -> Tracer | None:
     """Logging and tracing for one service process; the tracer is None when tracing is off,
-    so services skip building spans altogether."""
+    so services skip building spans altogether. A tracing setting that does not work raises
+    ConfigError naming it."""
     name = f"kvledger-{service}"
     password = redis_password(config.redis_url or "")  # also when it came from a file
     secrets = secret_values() + ((password,) if password else ())
     configure_logging(name, level=config.log_level, fmt=config.log_format, secrets=secrets)
-    return get_tracer(name) if setup_tracing(name, tracing_settings()) else None
+    settings = tracing_settings(config)
+    try:
+        provider = setup_tracing(name, settings)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from None
+    if provider is None and settings.detailed:
+        raise ConfigError(
+            "--collect-detailed-traces needs tracing on: set --otlp-traces-endpoint "
+            "(or OTEL_EXPORTER_OTLP_ENDPOINT)"
+        )
+    return get_tracer(name) if provider is not None else None
 
 
 def run_role(
@@ -64,7 +80,11 @@ def run_role(
     not parse) is one line on stderr and its exit code; anything else is logged and exits 1."""
     log = get_logger(f"kvledger.{role}")
     require_redis_url(config, role)
-    setup_observability(role, config)
+    try:
+        setup_observability(role, config)
+    except ConfigError as exc:
+        print(f"kvledger {role}: {exc}", file=sys.stderr)
+        return 2
     # Started by `kvledger up`: stop when it is gone, even killed with SIGKILL.
     watch_parent(lambda why: log.warning("launcher_gone", reason=why))
 

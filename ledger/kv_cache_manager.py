@@ -77,6 +77,10 @@ class KVCacheManager:
         # How many of a request's leading blocks are already cached (hashed and findable).
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Why the last allocate_slots returned None: "blocks", or "watermark" when the blocks
+        # would have fit without it. Information only: set on the refusing path, read by no
+        # decision.
+        self.last_refusal = "blocks"
 
     @property
     def usage(self) -> float:
@@ -178,7 +182,9 @@ class KVCacheManager:
         if full_sequence_must_fit:
             # The admission gate: the whole sequence must fit, not only this chunk.
             full = cdiv(min(request.num_tokens, max_model_len), block_size)
-            if max(full - num_held - num_hits, 0) + num_evictable_hits + watermark > num_free:
+            needed = max(full - num_held - num_hits, 0) + num_evictable_hits
+            if needed + watermark > num_free:
+                self.last_refusal = "watermark" if needed <= num_free else "blocks"
                 return None
 
         num_tokens_need_slot = num_computed + num_new_tokens + num_lookahead_tokens
@@ -189,6 +195,9 @@ class KVCacheManager:
         if num_new_blocks < 0:
             num_new_blocks = 0
         if num_new_blocks + num_evictable_hits + watermark > num_free:
+            self.last_refusal = (
+                "watermark" if num_new_blocks + num_evictable_hits <= num_free else "blocks"
+            )
             return None
 
         # It fits: from here on, change things.

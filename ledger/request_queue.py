@@ -43,6 +43,12 @@ class WaitingQueue(Generic[P]):
         else:
             self._fcfs.remove(request)
 
+    def num_ahead(self, request: Request[P]) -> int:
+        """How many waiting requests come before `request` (which must be waiting)."""
+        if self.priority:
+            return sum(1 for other in self._heap if other < request)
+        return self._fcfs.index(request)
+
     def __iter__(self):
         return iter(sorted(self._heap) if self.priority else self._fcfs)
 

@@ -24,6 +24,7 @@ from ledger.scheduler_output import (
     Preemption,
     RequestUpdate,
     SchedulerOutput,
+    WaitingHeld,
 )
 
 
@@ -210,10 +211,20 @@ class Scheduler(Generic[P]):
     def _schedule_waiting(
         self, out: SchedulerOutput[P], token_budget: int, threshold: int
     ) -> list[Request[P]]:
-        """Waiting requests admitted this step, only when nobody was preempted in it."""
+        """Waiting requests admitted this step, only when nobody was preempted in it. Whoever is
+        left at the head of `waiting` is named in `out.waiting_held` with the reason (for the
+        traces; it changes no decision)."""
         scheduled_new: list[Request[P]] = []
-        while not out.preemptions and len(self.waiting) and token_budget > 0:
+        held = None
+        while len(self.waiting):
+            if out.preemptions:
+                held = "preemption"
+                break
+            if token_budget <= 0:
+                held = "budget"
+                break
             if len(self.running) >= self.config.max_num_seqs:
+                held = "seats"
                 break
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -224,6 +235,7 @@ class Scheduler(Generic[P]):
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
                 if not self.config.enable_chunked_prefill:
+                    held = "budget"
                     break
                 num_new_tokens = token_budget
             watermark_applied = bool(self.running) and self.kv_cache_manager.watermark_blocks > 0
@@ -236,6 +248,7 @@ class Scheduler(Generic[P]):
                 has_scheduled_reqs=bool(self.running),
             )
             if new_blocks is None:
+                held = self.kv_cache_manager.last_refusal
                 break  # head-of-line: nothing behind it jumps the queue
             self._attribute_evictions(out, request)
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit_tokens)
@@ -260,6 +273,8 @@ class Scheduler(Generic[P]):
                     watermark_applied=watermark_applied,
                 )
             )
+        if held is not None:
+            out.waiting_held = WaitingHeld(self.waiting.peek().request_id, held)
         return scheduled_new
 
     def _describe_for_workers(
@@ -452,5 +467,6 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "WaitingHeld",
     "WaitingQueue",
 ]

@@ -61,6 +61,19 @@ class Preemption:
 
 
 @dataclass(slots=True)
+class WaitingHeld:
+    """Why the head of `waiting` was not admitted in a step (the rest wait behind it).
+
+    `reason`: "preemption" (a request was preempted this step, so none is admitted, as in
+    vLLM), "budget" (no token budget left), "seats" (max_num_seqs running), "blocks" (its
+    blocks do not fit) or "watermark" (they fit, but not with the watermark kept free).
+    """
+
+    request_id: str
+    reason: str
+
+
+@dataclass(slots=True)
 class SchedulerOutput(Generic[P]):
     step_id: int
     scheduled_new_reqs: list[NewRequestData[P]] = field(default_factory=list)
@@ -74,6 +87,7 @@ class SchedulerOutput(Generic[P]):
     admissions: list[Admission] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
     evictions: dict[str, list[Eviction]] = field(default_factory=dict)
+    waiting_held: WaitingHeld | None = None  # None when nobody is left waiting
 
     @property
     def total_num_scheduled_tokens(self) -> int:

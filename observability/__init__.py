@@ -19,24 +19,27 @@ from observability.metrics import (
 )
 from observability.tracing import (
     Attr,
+    EventName,
     SpanName,
     TracingSettings,
     extract_context,
     format_block_hashes,
     get_tracer,
+    in_trace,
     inject_traceparent,
     link_from_traceparent,
     links_from_traceparents,
     record_span,
     setup_tracing,
     shutdown_tracing,
+    span_context_from_traceparent,
     tracer_if_on,
-    usage_attributes,
 )
 
 __all__ = [
     "CONTENT_TYPE",
     "Attr",
+    "EventName",
     "GatewayMetrics",
     "LedgerMetrics",
     "LedgerSnapshot",
@@ -47,6 +50,7 @@ __all__ = [
     "format_block_hashes",
     "get_logger",
     "get_tracer",
+    "in_trace",
     "inject_traceparent",
     "link_from_traceparent",
     "links_from_traceparents",
@@ -56,6 +60,6 @@ __all__ = [
     "render",
     "setup_tracing",
     "shutdown_tracing",
+    "span_context_from_traceparent",
     "tracer_if_on",
-    "usage_attributes",
 ]

@@ -5,25 +5,38 @@ contract: dashboards and the end-to-end trace test rely on them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
+from opentelemetry import context as context_api
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, Tracer
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    TraceFlags,
+    Tracer,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
 if TYPE_CHECKING:  # the SDK is imported only when tracing is on
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -31,25 +44,58 @@ Attributes = Mapping[str, AttributeValue]
 
 
 class SpanName:
-    """Span names issue 5 promises; the gateway's SERVER span follows HTTP semconv instead."""
+    """kvledger's span names. The gateway's SERVER span follows HTTP semconv (`POST /v1/...`)
+    and its GenAI span GenAI semconv (`{gen_ai.operation.name} {gen_ai.request.model}`)."""
 
-    QUEUE = "kvledger.queue"  # enqueue -> admission, recorded with record_span
+    QUEUE = "kvledger.queue"  # enqueue -> admission (or abort): how long, and what held it back
     ADMIT = "kvledger.admit"  # each admission, and again on resume after a preemption
-    PREEMPT = "kvledger.preempt"
-    EVICT = "kvledger.evict"  # in the trace of the request whose allocation evicted
-    STEP = "kvledger.step"  # one per scheduler step on the worker, linked to its requests
+    PREEMPT = "kvledger.preempt"  # in the victim's trace, linked to its cause's kvledger.preempting
+    PREEMPTING = "kvledger.preempting"  # in the trace of the request whose growth preempted others
+    EVICT = "kvledger.evict"  # in the trace of the request whose allocations evicted (one a run)
+    STEP = "kvledger.step"  # one per scheduler step on the worker, linked to its requests' work
+    PREFILL = "kvledger.prefill"  # a prefill chunk a request computed in one step (on the worker)
+    DECODE = "kvledger.decode"  # a run of decode steps of one request (on the worker)
     ROUTE = "kvledger.route"  # the gateway's choice of replica, with every replica's score
+
+
+class EventName:
+    """Span events: bounded, one per change rather than one per step."""
+
+    QUEUE_HELD = "kvledger.queue.held"  # a run of checks that held a waiting request back
+    STEP = "kvledger.step"  # one decode step, on kvledger.decode with --collect-detailed-traces
 
 
 class Attr:
     """Attribute keys: OpenTelemetry GenAI and messaging conventions first, then kvledger's own."""
 
     GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+    GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
     GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
-    GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+    GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+    GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+    GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+    GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
+    GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+    GEN_AI_REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"  # OpenAI's n
+    GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
+    GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+    GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+    GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"  # one per choice
     GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
     GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     GEN_AI_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+    # vLLM 0.33's own (vllm/tracing/utils.py SpanAttributes), so a dashboard built for vLLM's
+    # llm_request span reads ours: the request id and n, its older usage names and latencies.
+    VLLM_REQUEST_ID = "gen_ai.request.id"
+    VLLM_REQUEST_N = "gen_ai.request.n"
+    VLLM_USAGE_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
+    VLLM_USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
+    VLLM_LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
+    VLLM_LATENCY_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
+    VLLM_LATENCY_E2E = "gen_ai.latency.e2e"
+    VLLM_LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
+    VLLM_LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
+    VLLM_LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
 
     HTTP_REQUEST_METHOD = "http.request.method"
     HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
@@ -90,25 +136,69 @@ class Attr:
     NUM_TOKENS = "kvledger.num_tokens"
     NUM_PREFILL_TOKENS = "kvledger.num_prefill_tokens"
     NUM_DECODE_TOKENS = "kvledger.num_decode_tokens"
-    TIME_TO_FIRST_TOKEN = "kvledger.time_to_first_token_s"
+    REQUEST_IDS = "kvledger.request_ids"  # every ledger request of a response (n > 1)
+    # a request's work on the worker: kvledger.prefill (one chunk) and kvledger.decode (a run)
+    NUM_COMPUTED_TOKENS = "kvledger.num_computed_tokens"  # tokens computed in this chunk or run
+    NUM_CACHED_TOKENS = "kvledger.num_cached_tokens"  # the prefix-cache hit it started from
+    PREFILL_START = "kvledger.prefill.start"  # the position of the chunk's first token
+    PREFILL_TOKENS = "kvledger.prefill.tokens"  # tokens to prefill in all (prompt + outputs)
+    PREFILL_DONE = "kvledger.prefill.done"  # this chunk reached the last of them
+    RECOMPUTE = "kvledger.recompute"  # recomputing after a preemption
+    NUM_PREEMPTIONS = "kvledger.num_preemptions"
+    NUM_STEPS = "kvledger.num_steps"
+    FIRST_STEP_ID = "kvledger.first_step_id"
+    LAST_STEP_ID = "kvledger.last_step_id"
+    COMPUTE_S = "kvledger.compute_s"  # seconds of the steps it took part in, summed
+    SEGMENT_END = "kvledger.segment.end"  # finished, preempted, idle, epoch or shutdown
+    NUM_TRACED_REQUESTS = "kvledger.num_traced_requests"  # sampled requests a step computed
+    # kvledger.queue: what held it back, check by check (a check: one scheduler step)
+    QUEUE_AHEAD = "kvledger.queue.ahead"  # waiting requests ahead of it when it (re)entered
+    QUEUE_CHECKS = "kvledger.queue.checks"  # steps it waited through
+    QUEUE_REASON = "kvledger.queue.reason"  # at the last check (next_step: no check held it)
+    QUEUE_REASONS = "kvledger.queue.reasons"  # every reason, in order of first appearance
+    QUEUE_REASON_CHECKS = "kvledger.queue.reason_checks"  # checks per reason, same order
+    QUEUE_OUTCOME = "kvledger.queue.outcome"  # admitted, or the finish reason (abort, error)
+    HELD_BY_REQUEST_ID = "kvledger.queue.head_request_id"  # the head it waited behind
+    # causes, both ways: kvledger.preempting names its victims; kvledger.admit its lost prefix
+    PREEMPTED_REQUEST_IDS = "kvledger.preempted.request_ids"
+    NUM_PREEMPTED = "kvledger.num_preempted"
+    PREFIX_LOST_BLOCKS = "kvledger.prefix_lost.blocks"  # blocks past the hit it once had cached
+    PREFIX_LOST_TOKENS = "kvledger.prefix_lost.tokens"
+    PREFIX_LOST_EVICTED_BY = "kvledger.prefix_lost.evicted_by"  # the requests that evicted them
 
 
 MAX_LINKS = 4096
 _EXPORTERS = ("otlp", "console", "none")
+SAMPLERS = (
+    "parentbased_always_on",  # the default, as in every OpenTelemetry SDK
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+    "always_on",
+    "always_off",
+    "traceidratio",
+)
 _PROTOCOLS = ("http/protobuf", "grpc")
 _PROPAGATOR = TraceContextTextMapPropagator()
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _lock = threading.Lock()
 _providers: dict[str, TracerProvider] = {}
 
 
 @dataclass(frozen=True, slots=True)
 class TracingSettings:
-    """Where spans go. Off (no exporter) unless an endpoint or an exporter is named."""
+    """Where spans go, which traces are kept, and how much detail. Off (no exporter) unless an
+    endpoint or an exporter is named."""
 
-    endpoint: str | None = None  # OTLP base URL, e.g. http://jaeger:4318
+    endpoint: str | None = None  # OTLP base URL, e.g. http://jaeger:4318 (/v1/traces appended)
     exporters: str | None = None  # comma-separated: otlp, console, none
     protocol: str = "http/protobuf"  # or grpc
     service_name: str | None = None  # replaces the service's own name when set
+    # vLLM's --otlp-traces-endpoint (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): the traces URL itself,
+    # e.g. http://jaeger:4318/v1/traces; one without a path gets /v1/traces. Beats `endpoint`.
+    traces_endpoint: str | None = None
+    sampler: str | None = None  # OTEL_TRACES_SAMPLER (default parentbased_always_on)
+    sampler_arg: str | None = None  # OTEL_TRACES_SAMPLER_ARG: the ratio of *traceidratio
+    detailed: tuple[str, ...] = ()  # vLLM's --collect-detailed-traces: model, worker, all
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> TracingSettings:
@@ -122,7 +212,14 @@ class TracingSettings:
             exporters=get("OTEL_TRACES_EXPORTER"),
             protocol=get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf",
             service_name=get("OTEL_SERVICE_NAME"),
+            traces_endpoint=get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+            sampler=get("OTEL_TRACES_SAMPLER"),
+            sampler_arg=get("OTEL_TRACES_SAMPLER_ARG"),
         )
+
+    @property
+    def detailed_traces(self) -> bool:
+        return bool(self.detailed)
 
 
 _settings = TracingSettings()  # of the last setup_tracing call: get_tracer resolves names by it
@@ -150,7 +247,9 @@ def setup_tracing(
         if not exporters:
             log.debug("tracing_off", extra={"service": name})
             return None
-        provider = _new_provider(name, exporters)
+        provider = _new_provider(
+            name, exporters, kvledger_sampler(settings.sampler, settings.sampler_arg)
+        )
         _providers[name] = provider
         # OpenTelemetry accepts one global provider per process and warns on a second.
         if set_global and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
@@ -167,6 +266,11 @@ def get_tracer(service_name: str, instrumentation: str = "kvledger") -> Tracer:
     if provider is None:
         return trace.get_tracer(instrumentation)
     return provider.get_tracer(instrumentation, _version())
+
+
+def detailed_traces() -> bool:
+    """Whether --collect-detailed-traces asked for more detail (per-step events)."""
+    return _settings.detailed_traces
 
 
 def tracer_if_on(service_name: str, instrumentation: str = "kvledger") -> Tracer | None:
@@ -188,18 +292,20 @@ def shutdown_tracing(timeout_s: float = 5.0) -> None:
 
 
 def _exporters(settings: TracingSettings) -> list[SpanExporter]:
-    endpoint, raw = settings.endpoint, settings.exporters
+    endpoint, raw = settings.traces_endpoint or settings.endpoint, settings.exporters
     names = ["otlp"] if raw is None and endpoint else _parse_exporter_names(raw)
     if "none" in names:
         return []
     if "otlp" in names and not endpoint:
         raise ValueError(
-            "OTEL_TRACES_EXPORTER=otlp needs OTEL_EXPORTER_OTLP_ENDPOINT, e.g. http://jaeger:4318; "
-            "unset OTEL_TRACES_EXPORTER to leave tracing off"
+            "OTEL_TRACES_EXPORTER=otlp needs --otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT, "
+            "e.g. http://jaeger:4318; unset OTEL_TRACES_EXPORTER to leave tracing off"
         )
     exporters: list[SpanExporter] = []
     if "otlp" in names:
-        exporters.append(_otlp_exporter(endpoint or "", settings.protocol))
+        exporters.append(
+            _otlp_exporter(endpoint or "", settings.protocol, whole=bool(settings.traces_endpoint))
+        )
     if "console" in names:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -218,16 +324,18 @@ def _parse_exporter_names(raw: str | None) -> list[str]:
     return names
 
 
-def _otlp_exporter(endpoint: str, protocol: str) -> SpanExporter:
+def _otlp_exporter(endpoint: str, protocol: str, *, whole: bool = False) -> SpanExporter:
+    """`whole`: the traces URL itself (--otlp-traces-endpoint), not a base URL."""
     if not endpoint.startswith(("http://", "https://")):
-        raise ValueError(
-            f"OTEL_EXPORTER_OTLP_ENDPOINT={endpoint!r} must be a URL such as http://jaeger:4318"
-        )
+        name = "--otlp-traces-endpoint" if whole else "OTEL_EXPORTER_OTLP_ENDPOINT"
+        raise ValueError(f"{name}={endpoint!r} must be a URL such as http://jaeger:4318")
     protocol = protocol.lower()
     if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from observability.otlp_encoding import fast_otlp_http_exporter
 
-        return OTLPSpanExporter(endpoint=otlp_traces_url(endpoint))
+        has_path = urlsplit(endpoint).path.strip("/") != ""
+        url = endpoint if whole and has_path else otlp_traces_url(endpoint)
+        return fast_otlp_http_exporter(url)
     if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
@@ -250,7 +358,65 @@ def otlp_traces_url(endpoint: str) -> str:
     return endpoint.rstrip("/") + "/v1/traces"
 
 
-def _new_provider(service_name: str, exporters: Sequence[SpanExporter]) -> TracerProvider:
+def kvledger_sampler(name: str | None = None, arg: str | None = None) -> Sampler:
+    """OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG as the OpenTelemetry SDKs read them
+    (default parentbased_always_on), plus one rule for batches: a root span that links to a
+    sampled span, or says it computed sampled requests (`kvledger.num_traced_requests` > 0), is
+    sampled (a worker's step), so the links from a request's work to its step always resolve.
+    The gateway's root span is the one decision the ratio makes; the ledger and the workers
+    follow the traceparent's flag."""
+    from opentelemetry.sdk.trace import sampling
+
+    name = (name or "parentbased_always_on").strip().lower()
+    if name not in SAMPLERS:
+        raise ValueError(f"OTEL_TRACES_SAMPLER={name!r}: kvledger knows {', '.join(SAMPLERS)}")
+    ratio = 1.0
+    if name.endswith("traceidratio") and arg is not None:
+        try:
+            ratio = float(arg)
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(
+                f"OTEL_TRACES_SAMPLER_ARG={arg!r}: the sampling ratio is a number from 0 to 1"
+            )
+    root: Sampler = {
+        "always_on": sampling.ALWAYS_ON,
+        "always_off": sampling.ALWAYS_OFF,
+        "traceidratio": sampling.TraceIdRatioBased(ratio),
+    }[name.removeprefix("parentbased_")]
+    base = sampling.ParentBased(root) if name.startswith("parentbased_") else root
+    return _keep_linked_roots(base)
+
+
+def _keep_linked_roots(base: Sampler) -> Sampler:
+    from opentelemetry.sdk.trace import sampling
+
+    class KeepLinkedRoots(sampling.Sampler):
+        def should_sample(
+            self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+            trace_state=None,
+        ):  # fmt: skip
+            if (
+                (attributes and attributes.get(Attr.NUM_TRACED_REQUESTS))
+                or (links and any(link.context.trace_flags.sampled for link in links))
+            ) and not trace.get_current_span(parent_context).get_span_context().is_valid:
+                return sampling.SamplingResult(
+                    sampling.Decision.RECORD_AND_SAMPLE, attributes, trace_state
+                )
+            return base.should_sample(
+                parent_context, trace_id, name, kind, attributes, links, trace_state
+            )
+
+        def get_description(self) -> str:
+            return f"KeepLinkedRoots{{{base.get_description()}}}"
+
+    return KeepLinkedRoots()
+
+
+def _new_provider(
+    service_name: str, exporters: Sequence[SpanExporter], sampler: Sampler | None = None
+) -> TracerProvider:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -266,7 +432,10 @@ def _new_provider(service_name: str, exporters: Sequence[SpanExporter]) -> Trace
     # KVLEDGER_MAX_NUM_SEQS may be larger. shutdown_on_exit: a service that dies without calling
     # shutdown_tracing still flushes.
     provider = TracerProvider(
-        resource=resource, span_limits=SpanLimits(max_links=MAX_LINKS), shutdown_on_exit=True
+        resource=resource,
+        sampler=sampler,
+        span_limits=SpanLimits(max_links=MAX_LINKS),
+        shutdown_on_exit=True,
     )
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -289,10 +458,17 @@ def inject_traceparent(span_or_context: Span | SpanContext | Context | None = No
 
     None when there is no valid span, e.g. when tracing is off and nothing came in from outside.
     """
-    if isinstance(span_or_context, SpanContext):
-        span_or_context = NonRecordingSpan(span_or_context)
+    if span_or_context is None:
+        span_or_context = trace.get_current_span()
     if isinstance(span_or_context, Span):
-        span_or_context = trace.set_span_in_context(span_or_context, Context())
+        span_or_context = span_or_context.get_span_context()
+    if isinstance(span_or_context, SpanContext):  # written out: once per request and choice
+        if not span_or_context.is_valid:
+            return None
+        return (
+            f"00-{span_or_context.trace_id:032x}-{span_or_context.span_id:016x}-"
+            f"{span_or_context.trace_flags:02x}"
+        )
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=span_or_context)
     return carrier.get("traceparent")
@@ -312,12 +488,37 @@ def span_context_from_traceparent(traceparent: str | bytes | None) -> SpanContex
         traceparent = traceparent.decode("ascii", errors="replace")
     if not isinstance(traceparent, str) or not traceparent:
         return None
+    common = _TRACEPARENT.fullmatch(traceparent)  # the form every kvledger service writes
+    if common is not None:
+        trace_hex, span_hex, flags_hex = common.groups()
+        span_context = SpanContext(
+            int(trace_hex, 16), int(span_hex, 16), is_remote=True,
+            trace_flags=TraceFlags(int(flags_hex, 16)),
+        )  # fmt: skip
+        return span_context if span_context.is_valid else None
     try:
         context = _PROPAGATOR.extract({"traceparent": traceparent.strip()}, context=Context())
     except Exception:  # a malformed message must never take down the consumer that reads it
         return None
     span_context = trace.get_current_span(context).get_span_context()
     return span_context if span_context.is_valid else None
+
+
+@contextlib.contextmanager
+def in_trace(parent: str | bytes | SpanContext | None) -> Iterator[None]:
+    """Inside: the current span is the one a traceparent (or SpanContext) names, so log lines
+    written here carry its trace id (the logging processor reads it). Nothing when it is None."""
+    span_context = (
+        parent if isinstance(parent, SpanContext) else span_context_from_traceparent(parent)
+    )
+    if span_context is None:
+        yield
+        return
+    token = context_api.attach(trace.set_span_in_context(NonRecordingSpan(span_context), Context()))
+    try:
+        yield
+    finally:
+        context_api.detach(token)
 
 
 def link_from_traceparent(
@@ -364,24 +565,6 @@ def record_span(
     )
     span.end(end_time=max(start_ns, end_ns if end_ns is not None else time.time_ns()))
     return span
-
-
-def usage_attributes(
-    *,
-    input_tokens: int,
-    output_tokens: int,
-    cache_read_input_tokens: int,
-    time_to_first_token_s: float | None = None,
-) -> dict[str, AttributeValue]:
-    """The GenAI usage attributes for the end of a request's root span."""
-    attributes: dict[str, AttributeValue] = {
-        Attr.GEN_AI_INPUT_TOKENS: input_tokens,
-        Attr.GEN_AI_OUTPUT_TOKENS: output_tokens,
-        Attr.GEN_AI_CACHE_READ_INPUT_TOKENS: cache_read_input_tokens,
-    }
-    if time_to_first_token_s is not None:
-        attributes[Attr.TIME_TO_FIRST_TOKEN] = time_to_first_token_s
-    return attributes
 
 
 def format_block_hashes(block_hashes: Iterable[int | bytes]) -> list[str]:

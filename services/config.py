@@ -85,10 +85,46 @@ class CommonConfig:
             "parse": lambda text: _choice(text, ("json", "console")),
         },
     )
+    # vLLM's tracing flags, with vLLM's names (OTEL_EXPORTER_OTLP_ENDPOINT and the other OTEL_*
+    # variables are still read: kvledger.runtime.tracing_settings).
+    otlp_traces_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "env": "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "help": "URL OpenTelemetry traces are sent to over OTLP/HTTP, e.g. "
+            "http://jaeger:4318/v1/traces; one without a path gets /v1/traces (default: "
+            "OTEL_EXPORTER_OTLP_ENDPOINT's, else tracing is off)",
+            "parse": None,
+        },
+    )
+    collect_detailed_traces: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "env": "KVLEDGER_COLLECT_DETAILED_TRACES",
+            "help": "more detail in traces, at a cost: model, worker or all (comma-separated, as "
+            "vLLM's): an event per decode step and a link from every step to every request in it "
+            "(default: off)",
+            "parse": lambda text: parse_detailed_modules(text),
+        },
+    )
 
     @property
     def streams(self) -> StreamNames:
         return StreamNames(self.stream_prefix, self.replica)
+
+
+DETAILED_TRACE_MODULES = ("model", "worker", "all")  # vLLM's --collect-detailed-traces choices
+
+
+def parse_detailed_modules(text: str) -> tuple[str, ...]:
+    """vLLM's --collect-detailed-traces value: comma-separated model, worker, all."""
+    names = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in DETAILED_TRACE_MODULES]
+    if unknown:
+        raise ValueError(
+            f"{text!r}: use {', '.join(DETAILED_TRACE_MODULES)} (comma-separated, as vLLM's)"
+        )
+    return names
 
 
 def _opt(

@@ -75,6 +75,13 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_PARENT_FD": "set by `kvledger up` for its children, not by operators: a pipe whose "
     "end tells a child its launcher is gone (services/lifeline.py)",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "OTLP endpoint for traces, e.g. http://jaeger:4318 (unset: off)",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "--otlp-traces-endpoint: the traces URL itself, e.g. "
+    "http://jaeger:4318/v1/traces (beats OTEL_EXPORTER_OTLP_ENDPOINT)",
+    "OTEL_TRACES_SAMPLER": "parentbased_always_on (default), parentbased_traceidratio, "
+    "parentbased_always_off, always_on, always_off or traceidratio: the gateway decides per "
+    "request, the ledger and workers follow",
+    "OTEL_TRACES_SAMPLER_ARG": "the ratio of the *traceidratio samplers, 0 to 1 (default 1)",
+    "KVLEDGER_COLLECT_DETAILED_TRACES": "--collect-detailed-traces: model, worker or all (default off)",
     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf (default) or grpc",
     "OTEL_TRACES_EXPORTER": "set to console to print spans instead of exporting them",
     "OTEL_SERVICE_NAME": "overrides the service.name of this process's spans",

@@ -105,7 +105,8 @@ class NewRequestData(Record):
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix-cache hit)
     sampling: SamplingParams
-    traceparent: str | None = None
+    traceparent: str | None = None  # the request's trace: the worker's spans of its work join it
+    num_preemptions: int = 0  # > 0: resumed, recomputing what it had computed before
 
 
 class CachedRequestData(Record):
@@ -116,7 +117,7 @@ class CachedRequestData(Record):
     new_token_ids: Sequence[int]  # tokens the workers do not know yet (not those they sampled)
     new_block_ids: Sequence[int]  # blocks appended to its block table this step
     num_computed_tokens: int
-    traceparent: str | None = None
+    traceparent: str | None = None  # unused: the worker keeps the one its NewRequestData carried
 
 
 class StepMessage(Message, tag="step"):
@@ -208,6 +209,9 @@ class RequestOutput(Record, omit_defaults=True):
     # With finish_reason "error": the service could not serve it now (no live worker, Redis
     # lost it), not the request's fault nor a crash: the client gets a 503 with Retry-After.
     unavailable: bool = False
+    # With the first tokens: seconds from arrival_time to the first admission (vLLM's
+    # gen_ai.latency.time_in_queue), for the gateway's GenAI span.
+    queued_s: float | None = None
 
 
 class OutputBatch(Message, tag="outputs"):

@@ -1,19 +1,27 @@
-"""Issue 5 end to end: a real run (every process, a real redis-server) exporting to an OTLP/HTTP
-receiver. Each request is one trace rooted at the gateway's span; preemptions, re-admissions and
-evictions appear in the right traces, evictions link to the requests that stored the blocks,
-logs carry trace ids, and /metrics agrees with the ledger."""
+"""Issues 5 and 28 end to end: a real run (every process, a real redis-server) exporting to an
+OTLP/HTTP receiver. Each request is one trace rooted at the gateway's span, holding the ledger's
+spans and the workers' prefill and decode; a preemption links to the request that caused it
+(whose trace names its victims); a request whose prefix was evicted links to the eviction and
+says how many tokens it lost; evictions link to the requests that stored the blocks; logs carry
+trace ids, and /metrics agrees with the ledger.
+
+`KVLEDGER_TRACE_TREES=FILE` writes the span trees of the three cases docs/tracing.md walks
+(preempted, prefix lost, hit) to FILE."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from collections import defaultdict
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from tests.e2e.conftest import launch, metric_value, serving
+from tests.harness.spans import named, render_tree
 from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.slow
@@ -66,14 +74,18 @@ async def complete(
 @pytest.fixture(scope="module")
 def traced_run():
     receiver = OtlpReceiver().start()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "200"}
     stack = launch(
         "tiny",
         num_gpu_blocks=24,
         max_model_len=112,
-        extra_args=("--max-num-batched-tokens", "256"),
+        # vLLM's flag: the traces URL itself (OTEL_EXPORTER_OTLP_ENDPOINT works as well).
+        extra_args=(
+            "--max-num-batched-tokens", "256",
+            "--otlp-traces-endpoint", receiver.endpoint + "/v1/traces",
+        ),
         env=env,
-    )
+    )  # fmt: skip
     with serving(stack) as (served,):
 
         async def run() -> tuple[list[dict], list[dict], str, str]:
@@ -97,20 +109,32 @@ def traced_run():
                     *(complete(session, served.url, p, 30, stream=False) for p in others)
                 )
                 wave2.append(await anchor)
-                await asyncio.sleep(
-                    1.5
-                )  # the ledger refreshes its status (mirrored metrics) every second
+                # Wave 3: a prompt, then the same prompt again (a prefix hit); others fill the
+                # pool (28 blocks > the 23 it lends) and the same prompt a third time finds its
+                # prefix evicted.
+                prompt = token_prompts(1, 64, seed=3)[0]
+                wave3 = [await complete(session, served.url, prompt, 2, stream=False)]
+                wave3.append(await complete(session, served.url, prompt, 2, stream=False))
+                fillers = token_prompts(4, 100, seed=4)
+                for pair in (fillers[:2], fillers[2:]):
+                    wave3 += await asyncio.gather(
+                        *(complete(session, served.url, p, 4, stream=False) for p in pair)
+                    )
+                wave3.append(await complete(session, served.url, prompt, 2, stream=False))
+                # the ledger refreshes its status (mirrored metrics) every second
+                await asyncio.sleep(1.5)
                 gateway_metrics = await (await session.get(f"{served.url}/metrics")).text()
                 ledger_metrics = await (await session.get(served.ledger_metrics_url)).text()
-            return wave1, wave2, gateway_metrics, ledger_metrics
+            return wave1, wave2, wave3, gateway_metrics, ledger_metrics
 
-        wave1, wave2, gateway_metrics, ledger_metrics = asyncio.run(run())
+        wave1, wave2, wave3, gateway_metrics, ledger_metrics = asyncio.run(run())
     # The stack is stopped: every service flushed its spans on the way out.
     spans = receiver.spans
     receiver.close()
     return {
         "wave1": wave1,
         "wave2": wave2,
+        "wave3": wave3,
         "spans": spans,
         "served": served,
         "gateway_metrics": gateway_metrics,
@@ -142,7 +166,7 @@ def request_traces(run) -> dict[str, list[dict]]:
 
 def test_every_request_is_one_trace_rooted_at_the_gateway_span(traced_run):
     traces = request_traces(traced_run)
-    responses = traced_run["wave1"] + traced_run["wave2"]
+    responses = all_responses(traced_run)
     assert sorted(traces) == sorted(r["id"] for r in responses)
     for response in responses:
         spans = traces[response["id"]]
@@ -156,18 +180,38 @@ def test_every_request_is_one_trace_rooted_at_the_gateway_span(traced_run):
             assert node is root
         names = [s["name"] for s in spans]
         assert "kvledger.queue" in names and "kvledger.admit" in names
-        usage = response["usage"]
-        assert root["attributes"]["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
-        assert root["attributes"]["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+        # The GenAI span beside the server span, with vLLM's attributes too.
+        (genai,) = [s for s in spans if s["name"] == "text_completion kvledger-tiny-llama"]
+        assert genai["parent_span_id"] == root["span_id"]
+        a, usage = genai["attributes"], response["usage"]
+        assert a["gen_ai.response.id"] == a["gen_ai.request.id"] == response["id"]
+        assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+        assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
         assert (
-            root["attributes"]["gen_ai.usage.cache_read.input_tokens"]
-            == usage["prompt_tokens_details"]["cached_tokens"]
+            a["gen_ai.usage.cache_read.input_tokens"]
+            == (usage["prompt_tokens_details"]["cached_tokens"])
         )
-        assert {service(s) for s in spans} == {"kvledger-gateway", "kvledger-ledger"}
+        assert a["gen_ai.response.finish_reasons"] == ["length"]
+        for key in ("time_in_queue", "time_to_first_token", "e2e", "time_in_model_prefill"):
+            assert a[f"gen_ai.latency.{key}"] >= 0
+        # Spans per request stay bounded (detailed traces off): no span per token.
+        assert len(spans) <= 20
+        # The request's work is in its own trace: the worker's prefill chunks and decode runs.
+        assert {service(s) for s in spans} == {
+            "kvledger-gateway",
+            "kvledger-ledger",
+            "kvledger-worker",
+        }
+        assert "kvledger.prefill" in names and "kvledger.decode" in names
+
+
+def all_responses(run) -> list[dict]:
+    return run["wave1"] + run["wave2"] + run["wave3"]
 
 
 def test_a_preempted_request_shows_its_preemption_and_its_second_admission(traced_run):
     traces = request_traces(traced_run)
+    span_by_id = {s["span_id"]: s for s in traced_run["spans"]}
     preempted = {
         rid: spans
         for rid, spans in traces.items()
@@ -186,8 +230,50 @@ def test_a_preempted_request_shows_its_preemption_and_its_second_admission(trace
         for p in preempts:
             assert p["attributes"]["kvledger.preempt.reason"] == "kv_cache_full"
             assert p["attributes"]["kvledger.blocks_freed"] > 0
-            assert p["attributes"]["kvledger.caused_by.request_id"] in traces
+            cause = p["attributes"]["kvledger.caused_by.request_id"]
+            assert cause in traces
+            # The preemption links to its cause's kvledger.preempting, in the cause's trace,
+            # which names this request and links back.
+            (link,) = p["links"]
+            preempting = span_by_id[link["span_id"]]
+            assert preempting["name"] == "kvledger.preempting"
+            assert preempting["trace_id"] == traces[cause][0]["trace_id"]
+            victim = p["attributes"]["kvledger.request_id"]
+            assert victim in preempting["attributes"]["kvledger.preempted.request_ids"]
+            assert p["span_id"] in {x["span_id"] for x in preempting["links"]}
         assert len([s for s in spans if s["name"] == "kvledger.queue"]) == len(admits)
+        # Gateway, ledger and worker spans in the one trace; the recompute is marked.
+        assert {service(s) for s in spans} == {
+            "kvledger-gateway", "kvledger-ledger", "kvledger-worker",
+        }  # fmt: skip
+        assert any(p["attributes"]["kvledger.recompute"] for p in named(spans, "kvledger.prefill"))
+
+
+def test_a_request_whose_prefix_was_evicted_links_to_the_eviction(traced_run):
+    traces = request_traces(traced_run)
+    span_by_id = {s["span_id"]: s for s in traced_run["spans"]}
+    first, hit, *_, lost = traced_run["wave3"]
+    (hit_admit,) = named(traces[hit["id"]], "kvledger.admit")
+    assert hit_admit["attributes"]["kvledger.prefix_hit.tokens"] == 48
+    assert "kvledger.prefix_lost.tokens" not in hit_admit["attributes"]
+    (admit,) = named(traces[lost["id"]], "kvledger.admit")
+    a = admit["attributes"]
+    assert a["kvledger.prefix_hit.blocks"] + a["kvledger.prefix_lost.blocks"] == 3
+    assert a["kvledger.prefix_lost.tokens"] == 16 * a["kvledger.prefix_lost.blocks"] > 0
+    assert (
+        lost["usage"]["prompt_tokens_details"]["cached_tokens"] == a["kvledger.prefix_hit.tokens"]
+    )
+    assert admit["links"]
+    for link in admit["links"]:
+        evict = span_by_id[link["span_id"]]
+        evictor = link["attributes"]["kvledger.request_id"]
+        assert (
+            evict["name"] == "kvledger.evict"
+            and evict["trace_id"] == traces[evictor][0]["trace_id"]
+        )
+        assert evictor in a["kvledger.prefix_lost.evicted_by"]
+        owners = set(evict["attributes"]["kvledger.evicted_from_request_ids"])
+        assert owners & {first["id"], hit["id"]}
 
 
 def test_an_eviction_links_to_the_traces_of_the_requests_that_stored_the_blocks(traced_run):
@@ -219,7 +305,12 @@ def test_worker_steps_link_to_every_request_in_their_batch(traced_run):
     assert steps and all(service(s) == "kvledger-worker" and s["kind"] == "CONSUMER" for s in steps)
     for step in steps:
         assert not step["parent_span_id"]
-        assert len(step["links"]) == step["attributes"]["kvledger.batch_size"] > 0
+        # Every request in it is sampled; links go to the work that began in the step.
+        assert (
+            step["attributes"]["kvledger.num_traced_requests"]
+            == step["attributes"]["kvledger.batch_size"]
+        )
+        assert len(step["links"]) <= step["attributes"]["kvledger.batch_size"]
         assert {link["trace_id"] for link in step["links"]} <= trace_ids
 
 
@@ -250,13 +341,12 @@ def test_metrics_agree_with_the_ledger_and_the_traces(traced_run):
         assert metric_value(gateway, name) == metric_value(ledger, name), name
     preempt_spans = sum(1 for s in traced_run["spans"] if s["name"] == "kvledger.preempt")
     assert metric_value(ledger, "vllm:num_preemptions_total") == preempt_spans > 0
-    queried = sum(r["usage"]["prompt_tokens"] for r in traced_run["wave1"] + traced_run["wave2"])
+    queried = sum(r["usage"]["prompt_tokens"] for r in all_responses(traced_run))
     assert (
         metric_value(ledger, "vllm:prefix_cache_queries_total") == queried
     )  # first admissions only
     hits = sum(
-        r["usage"]["prompt_tokens_details"]["cached_tokens"]
-        for r in traced_run["wave1"] + traced_run["wave2"]
+        r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in all_responses(traced_run)
     )
     assert metric_value(ledger, "vllm:prefix_cache_hits_total") == hits
     assert (
@@ -265,8 +355,44 @@ def test_metrics_agree_with_the_ledger_and_the_traces(traced_run):
         == 0.0
     )
     evicted = sum(
-        len(s["attributes"]["kvledger.evicted_block_hashes"])
+        s["attributes"]["kvledger.num_evicted_blocks"]
         for s in traced_run["spans"]
         if s["name"] == "kvledger.evict"
     )
     assert metric_value(ledger, "kvledger:evicted_blocks_total") == evicted
+
+
+TREE_ATTRIBUTES = (
+    "kvledger.request_id", "gen_ai.latency.time_in_queue", "gen_ai.usage.cache_read.input_tokens",
+    "kvledger.queue.reason", "kvledger.queue.ahead", "kvledger.resumed",
+    "kvledger.prefix_hit.tokens", "kvledger.prefix_lost.tokens", "kvledger.prefix_lost.evicted_by",
+    "kvledger.num_evicted_blocks", "kvledger.evicted_from_request_ids",
+    "kvledger.caused_by.request_id", "kvledger.preempted.request_ids", "kvledger.blocks_freed",
+    "kvledger.num_computed_tokens", "kvledger.num_cached_tokens", "kvledger.recompute",
+    "kvledger.num_steps", "kvledger.segment.end",
+)  # fmt: skip
+
+
+def test_write_the_trees_docs_tracing_md_walks(traced_run):
+    """Not an assertion: with KVLEDGER_TRACE_TREES=FILE, the three cases as text trees."""
+    target = os.environ.get("KVLEDGER_TRACE_TREES")
+    if not target:
+        pytest.skip("KVLEDGER_TRACE_TREES is unset")
+    traces = request_traces(traced_run)
+    everything = traced_run["spans"]
+    preempted = next(rid for rid, spans in traces.items() if named(spans, "kvledger.preempt"))
+    cause = named(traces[preempted], "kvledger.preempt")[0]["attributes"][
+        "kvledger.caused_by.request_id"
+    ]
+    _, hit, *_, lost = traced_run["wave3"]
+    out = []
+    cases = (
+        ("preempted", preempted), ("its cause", cause), ("prefix lost", lost["id"]),
+        ("hit", hit["id"]),
+    )  # fmt: skip
+    for title, rid in cases:
+        out.append(f"## {title}: {rid}\n")
+        out.append(render_tree(traces[rid], attributes=TREE_ATTRIBUTES, everything=everything))
+        out.append("")
+    Path(target).write_text("\n".join(out))
+    Path(target).with_suffix(".json").write_text(json.dumps(everything, default=str))

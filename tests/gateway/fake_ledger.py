@@ -45,6 +45,7 @@ class Script:
     swap_pairs: bool = False  # outputs 1, 0, 3, 2, ...: each pair arrives with a gap first
     silent: bool = False  # never answer
     cached_tokens: int = 0
+    queued_s: float | None = None  # sent with the first tokens, as the ledger does
     vary_by_seed: bool = False  # start the text at offset seed, so that samples differ
 
 
@@ -124,6 +125,7 @@ def _output(
         error=error,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        queued_s=script.queued_s if ids and position == 0 else None,
     )
 
 

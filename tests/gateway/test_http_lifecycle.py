@@ -216,28 +216,92 @@ async def test_metrics_show_requests_and_the_mirrored_ledger(start_gateway, star
     assert f"vllm:prefix_cache_hits_total{{{labels}}} 48.0" in text
 
 
-async def test_request_span_is_a_root_server_span_with_usage(make_config, start_ledger):
+async def test_request_span_is_a_root_server_span_beside_a_genai_span(make_config, start_ledger):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    ledger = await start_ledger(Script(cached_tokens=2))
+    ledger = await start_ledger(Script(cached_tokens=2, queued_s=0.25))
     app = create_app(make_config(), tracer=provider.get_tracer("test"))
     async with TestClient(TestServer(app)) as client:
-        resp = await client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3})
+        resp = await client.post(
+            "/v1/completions",
+            json={"prompt": "abc", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 4},
+        )
         assert resp.status == 200
-    (span,) = exporter.get_finished_spans()
-    assert span.name == "POST /v1/completions" and span.kind == SpanKind.SERVER
-    assert span.parent is None
-    a = span.attributes
-    assert (a[Attr.GEN_AI_INPUT_TOKENS], a[Attr.GEN_AI_OUTPUT_TOKENS]) == (4, 3)
-    assert a[Attr.GEN_AI_CACHE_READ_INPUT_TOKENS] == 2
-    assert a[Attr.TIME_TO_FIRST_TOKEN] > 0
-    assert a[Attr.REQUEST_ID] == ledger.requests[0].req_id
-    assert a["http.response.status_code"] == 200
-    assert tuple(a[Attr.GEN_AI_RESPONSE_FINISH_REASONS]) == ("length",)
-    trace_id = f"{span.context.trace_id:032x}"
-    span_id = f"{span.context.span_id:016x}"
+        body = await resp.json()
+    genai, server = exporter.get_finished_spans()
+    assert server.name == "POST /v1/completions" and server.kind == SpanKind.SERVER
+    assert server.parent is None
+    assert server.attributes[Attr.REQUEST_ID] == ledger.requests[0].req_id
+    assert server.attributes["http.response.status_code"] == 200
+    # The GenAI span, named by the conventions, is the server span's child...
+    assert genai.name == "text_completion fake-model" and genai.kind == SpanKind.INTERNAL
+    assert genai.parent.span_id == server.context.span_id
+    a = genai.attributes
+    assert {
+        k: a[k]
+        for k in a
+        if k.startswith(
+            (
+                "gen_ai.request",
+                "gen_ai.response",
+                "gen_ai.usage",
+                "gen_ai.provider",
+                "gen_ai.operation",
+            )
+        )
+    } == {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": "kvledger",
+        "gen_ai.request.model": "fake-model",
+        "gen_ai.request.max_tokens": 3,
+        "gen_ai.request.temperature": 0.5,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.seed": 4,
+        "gen_ai.request.stream": False,
+        "gen_ai.request.n": 1,  # vLLM's
+        "gen_ai.request.id": body["id"],  # vLLM's
+        "gen_ai.response.id": body["id"],
+        "gen_ai.response.model": "fake-model",
+        "gen_ai.response.finish_reasons": ("length",),
+        "gen_ai.usage.input_tokens": 4,
+        "gen_ai.usage.output_tokens": 3,
+        "gen_ai.usage.cache_read.input_tokens": 2,
+        "gen_ai.usage.prompt_tokens": 4,  # vLLM's names
+        "gen_ai.usage.completion_tokens": 3,
+    }
+    # ... with vLLM's latency breakdown: the ledger's queue time, then the gateway's clock.
+    assert a["gen_ai.latency.time_in_queue"] == 0.25
+    latency = {k: a[k] for k in a if k.startswith("gen_ai.latency.")}
+    assert set(latency) == {
+        "gen_ai.latency.time_in_queue", "gen_ai.latency.time_to_first_token",
+        "gen_ai.latency.e2e", "gen_ai.latency.time_in_model_prefill",
+        "gen_ai.latency.time_in_model_decode", "gen_ai.latency.time_in_model_inference",
+    }  # fmt: skip
+    assert 0 < latency["gen_ai.latency.time_to_first_token"] <= latency["gen_ai.latency.e2e"]
+    # ... and the trace the ledger joins: its requests carry the GenAI span's traceparent.
+    trace_id = f"{genai.context.trace_id:032x}"
+    span_id = f"{genai.context.span_id:016x}"
     assert ledger.requests[0].traceparent.startswith(f"00-{trace_id}-{span_id}-")
+
+
+async def test_n_choices_report_a_finish_reason_each(make_config, start_ledger):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    ledger = await start_ledger(Script(eos_after=2, vary_by_seed=True))
+    app = create_app(make_config(), tracer=provider.get_tracer("test"))
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.post(
+            "/v1/completions", json={"prompt": "abc", "max_tokens": 3, "n": 2, "seed": 1}
+        )
+        assert resp.status == 200
+    genai, _ = exporter.get_finished_spans()
+    a = genai.attributes
+    assert a["gen_ai.response.finish_reasons"] == ("stop", "stop")
+    assert (a["gen_ai.request.choice.count"], a["gen_ai.request.n"]) == (2, 2)
+    assert list(a[Attr.REQUEST_IDS]) == [r.req_id for r in ledger.requests]
+    assert a["gen_ai.usage.output_tokens"] == 6  # 2 tokens and EOS, twice
 
 
 async def test_serve_runs_until_cancelled(make_config, start_ledger):

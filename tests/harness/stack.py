@@ -59,6 +59,8 @@ class Stack:
         max_model_len: int = 256,
         prefix: str | None = None,
         replica: str = "default",
+        ledger_tracer=None,
+        worker_tracer=None,
         **ledger_kwargs,
     ) -> None:
         self.url = url
@@ -89,6 +91,7 @@ class Stack:
         self.results: dict[str, Result] = {}
         self._reader: asyncio.Task | None = None
         self.runner_factory = ModelRunner  # a test may plant a faulty runner (fault injection)
+        self.ledger_tracer, self.worker_tracer = ledger_tracer, worker_tracer  # None: off
 
     @property
     def streams(self):
@@ -101,7 +104,7 @@ class Stack:
         return self.ledger_process.engine
 
     async def start(self, num_workers: int = 1) -> Stack:
-        self.ledger_process = LedgerProcess(self.ledger_cfg, self._client())
+        self.ledger_process = LedgerProcess(self.ledger_cfg, self._client(), self.ledger_tracer)
         self.tasks.append(asyncio.create_task(self.ledger_process.run(), name="ledger"))
         for i in range(num_workers):
             await self.start_worker(f"w{i}")
@@ -124,7 +127,7 @@ class Stack:
         old.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await old
-        self.ledger_process = LedgerProcess(self.ledger_cfg, self._client())
+        self.ledger_process = LedgerProcess(self.ledger_cfg, self._client(), self.ledger_tracer)
         self.tasks.insert(0, asyncio.create_task(self.ledger_process.run(), name="ledger"))
         await asyncio.wait_for(self.ledger_process.ready.wait(), 30)
 
@@ -143,7 +146,9 @@ class Stack:
             ttl_s=2.0,
         )
         # Named, so that a test can cut this worker's connections alone (CLIENT KILL).
-        service = WorkerService(cfg, self._client(f"{self.prefix}-worker-{worker_id}"), runner)
+        service = WorkerService(
+            cfg, self._client(f"{self.prefix}-worker-{worker_id}"), runner, self.worker_tracer
+        )
         self.workers[worker_id] = asyncio.create_task(service.run(), name=f"worker-{worker_id}")
         self.worker_services[worker_id] = service
         return service
@@ -154,7 +159,16 @@ class Stack:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def submit(self, req_id: str, prompt: list[int], max_tokens: int, **kwargs) -> None:
+    async def submit(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        traceparent: str | None = None,
+        priority: int = 0,
+        **kwargs,
+    ) -> None:
         self.results[req_id] = Result()
         sampling = SamplingParams(max_tokens=max_tokens, **kwargs)
         await redis_streams.append(
@@ -166,6 +180,8 @@ class Stack:
                 prompt_token_ids=prompt,
                 sampling=sampling,
                 arrival_time=time.time(),
+                traceparent=traceparent,
+                priority=priority,
             ),
         )
 

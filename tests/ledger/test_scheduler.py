@@ -94,8 +94,10 @@ def test_without_chunked_prefill_a_prompt_over_the_budget_waits():
     s.add_request(request("b2", 100, start=5000))
     out, _ = run_step(s)
     assert list(out.num_scheduled_tokens) == ["a1"]
+    assert (out.waiting_held.request_id, out.waiting_held.reason) == ("b2", "budget")
     out, _ = run_step(s)  # a1 decodes (1 token); b2's 100 tokens fit in the rest of the budget
     assert out.num_scheduled_tokens == {"a1": 1, "b2": 100}
+    assert out.waiting_held is None  # nobody left waiting
 
 
 def test_without_chunked_prefill_the_long_prefill_cap_comes_before_the_budget_check():
@@ -132,6 +134,16 @@ def test_max_num_seqs_caps_running_requests():
         s.add_request(request(f"r{i}", 10))
     out, _ = run_step(s)
     assert sorted(out.num_scheduled_tokens) == ["r0", "r1"] and s.num_waiting == 1
+    assert (out.waiting_held.request_id, out.waiting_held.reason) == ("r2", "seats")
+
+
+def test_the_head_held_by_a_spent_token_budget_is_named():
+    s = make_scheduler(max_num_batched_tokens=64, max_num_seqs=4)
+    s.add_request(request("a1", 64))
+    s.add_request(request("b2", 10, start=500))
+    out, _ = run_step(s)  # a1's prompt takes the whole budget
+    assert list(out.num_scheduled_tokens) == ["a1"]
+    assert (out.waiting_held.request_id, out.waiting_held.reason) == ("b2", "budget")
 
 
 def test_fcfs_preempts_the_newest_running_request_by_recompute():
@@ -154,6 +166,7 @@ def test_fcfs_preempts_the_newest_running_request_by_recompute():
     )
     assert s.num_preemptions == 1 and list(s.waiting) == [b]
     assert out.admissions == []  # nobody is admitted in a step that preempted
+    assert (out.waiting_held.request_id, out.waiting_held.reason) == ("b2", "preemption")
     assert a.is_finished  # its second token was its last
     # b comes back as a new request carrying its prompt and its sampled token, and hits its own
     # four cached blocks.
@@ -224,6 +237,7 @@ def test_admission_gate_requires_the_whole_prompt_to_fit():
     s.add_request(request("b2", 80, start=400))  # 5 blocks: its first 32-token chunk would fit
     out, _ = run_step(s)
     assert out.num_scheduled_tokens == {"a1": 1} and s.num_waiting == 1
+    assert (out.waiting_held.request_id, out.waiting_held.reason) == ("b2", "blocks")
 
 
 def test_watermark_keeps_blocks_free_for_running_requests():
@@ -237,6 +251,18 @@ def test_watermark_keeps_blocks_free_for_running_requests():
     out, _ = run_step(s)
     assert "c3" not in out.num_scheduled_tokens  # 2 free - 2 new < watermark 2
     assert out.admissions == []
+    # a1 and b2 each took a fifth block for their 65th token: nothing is left for c3.
+    assert (out.waiting_held.request_id, out.waiting_held.reason) == ("c3", "blocks")
+
+
+def test_a_head_whose_blocks_fit_but_not_with_the_watermark_is_held_by_the_watermark():
+    s = make_scheduler(num_blocks=11, watermark=0.2)  # 10 lendable, 2 kept free at admission
+    s.add_request(request("a1", 60))  # 4 blocks, room to decode to 64 tokens without a fifth
+    run_step(s)
+    s.add_request(request("c3", 80, start=600))  # 5 blocks: 6 are free, but 6 - 5 < 2
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a1": 1}
+    assert (out.waiting_held.request_id, out.waiting_held.reason) == ("c3", "watermark")
 
 
 @pytest.mark.parametrize(

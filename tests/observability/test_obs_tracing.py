@@ -32,7 +32,6 @@ from observability.tracing import (
     record_span,
     setup_tracing,
     shutdown_tracing,
-    usage_attributes,
 )
 from tests.otlp_receiver import OtlpReceiver
 
@@ -55,12 +54,12 @@ def test_request_trace_crosses_services_with_parents_links_and_past_start_times(
     with gateway.start_as_current_span("POST /v1/completions", kind=SpanKind.SERVER) as root:
         message_traceparent = inject_traceparent()  # what the gateway puts in the stream entry
         root.set_attributes(
-            usage_attributes(
-                input_tokens=40,
-                output_tokens=8,
-                cache_read_input_tokens=32,
-                time_to_first_token_s=0.12,
-            )
+            {
+                Attr.GEN_AI_INPUT_TOKENS: 40,
+                Attr.GEN_AI_OUTPUT_TOKENS: 8,
+                Attr.GEN_AI_CACHE_READ_INPUT_TOKENS: 32,
+                Attr.VLLM_LATENCY_TIME_TO_FIRST_TOKEN: 0.12,
+            }
         )
 
     parent = extract_context(message_traceparent)  # the ledger reads the entry
@@ -101,7 +100,7 @@ def test_request_trace_crosses_services_with_parents_links_and_past_start_times(
         "gen_ai.usage.input_tokens": 40,
         "gen_ai.usage.output_tokens": 8,
         "gen_ai.usage.cache_read.input_tokens": 32,
-        "kvledger.time_to_first_token_s": 0.12,
+        "gen_ai.latency.time_to_first_token": 0.12,
     }
     for child in (queue, admit):
         assert child["service_name"] == "kvledger-ledger"
@@ -207,7 +206,10 @@ def test_tracing_is_off_and_spans_are_noops_without_configuration(
             "supports http/protobuf or grpc",
         ),
         ({"OTEL_TRACES_EXPORTER": "zipkin"}, "kvledger knows otlp, console, none"),
-        ({"OTEL_TRACES_EXPORTER": "otlp"}, "needs OTEL_EXPORTER_OTLP_ENDPOINT"),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp"},
+            "needs --otlp-traces-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT",
+        ),
     ],
 )
 def test_misconfiguration_fails_with_an_actionable_message(
@@ -350,3 +352,101 @@ def test_console_exporter_prints_spans_to_stdout() -> None:
     span = json.loads(printed)
     assert span["name"] == "GET /health"
     assert span["resource"]["attributes"]["service.name"] == "kvledger-gateway"
+
+
+# --- vLLM's flags, sampling --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/traces", ""])
+def test_otlp_traces_endpoint_is_the_traces_url_and_beats_the_base_endpoint(
+    otlp_receiver: OtlpReceiver, clean_otel_env: pytest.MonkeyPatch, path: str
+) -> None:
+    settings = tracing.TracingSettings(
+        endpoint="http://127.0.0.1:9/nowhere", traces_endpoint=otlp_receiver.endpoint + path
+    )
+    setup_tracing("kvledger-gateway", settings, set_global=False)
+    get_tracer("kvledger-gateway").start_span("sent").end()
+    shutdown_tracing()
+    assert [s["name"] for s in otlp_receiver.wait_for_spans(1, timeout=5)] == ["sent"]
+
+
+def test_the_flags_and_the_otel_variables_make_the_settings(
+    clean_otel_env: pytest.MonkeyPatch,
+) -> None:
+    from kvledger.runtime import tracing_settings
+    from services.config import GatewayConfig, from_arguments
+
+    clean_otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    clean_otel_env.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    clean_otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0.1")
+    clean_otel_env.setenv("KVLEDGER_COLLECT_DETAILED_TRACES", "worker,model")
+    settings = tracing_settings(from_arguments(GatewayConfig))
+    assert (settings.endpoint, settings.traces_endpoint) == ("http://collector:4318", None)
+    assert (settings.sampler, settings.sampler_arg) == ("parentbased_traceidratio", "0.1")
+    assert settings.detailed == ("worker", "model")
+    clean_otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://jaeger:4318/v1/traces")
+    assert tracing_settings(from_arguments(GatewayConfig)).traces_endpoint == (
+        "http://jaeger:4318/v1/traces"
+    )
+
+
+@pytest.mark.parametrize(
+    ("sampler", "arg", "message"),
+    [
+        ("sometimes", None, "kvledger knows parentbased_always_on"),
+        ("parentbased_traceidratio", "half", "the sampling ratio is a number from 0 to 1"),
+        ("traceidratio", "1.5", "the sampling ratio is a number from 0 to 1"),
+    ],
+)
+def test_a_sampler_that_does_not_parse_fails_with_an_actionable_message(
+    clean_otel_env: pytest.MonkeyPatch, sampler: str, arg: str | None, message: str
+) -> None:
+    settings = tracing.TracingSettings(
+        endpoint="http://127.0.0.1:9", sampler=sampler, sampler_arg=arg
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        setup_tracing("kvledger-ledger", settings, set_global=False)
+
+
+def test_parent_based_ratio_decides_at_the_root_and_children_follow(
+    otlp_receiver: OtlpReceiver, clean_otel_env: pytest.MonkeyPatch
+) -> None:
+    settings = tracing.TracingSettings(
+        endpoint=otlp_receiver.endpoint, sampler="parentbased_traceidratio", sampler_arg="0.5"
+    )
+    setup_tracing("kvledger-gateway", settings, set_global=False)
+    setup_tracing("kvledger-ledger", settings, set_global=False)
+    gateway, ledger = get_tracer("kvledger-gateway"), get_tracer("kvledger-ledger")
+    kept = 0
+    for _ in range(200):
+        with gateway.start_as_current_span("POST /v1/completions") as root:
+            traceparent = inject_traceparent()
+            recording = root.is_recording()
+        assert traceparent is not None
+        sampled = bool(int(traceparent.split("-")[3], 16) & 0x01)
+        assert sampled == recording
+        kept += sampled
+        # The ledger, another process, follows the flag the traceparent carries.
+        child = ledger.start_span(SpanName.QUEUE, context=extract_context(traceparent))
+        assert child.is_recording() == sampled
+        child.end()
+    assert 60 < kept < 140  # about half
+    shutdown_tracing()
+    spans = otlp_receiver.wait_for_spans(2 * kept, timeout=10)
+    assert len(spans) == 2 * kept
+
+
+def test_detailed_traces_need_tracing_on_and_take_vllms_values(
+    clean_otel_env: pytest.MonkeyPatch,
+) -> None:
+    from kvledger.runtime import setup_observability
+    from services.config import LedgerConfig, from_arguments
+    from services.environment import ConfigError
+
+    clean_otel_env.setenv("KVLEDGER_COLLECT_DETAILED_TRACES", "everything")
+    with pytest.raises(ConfigError, match="use model, worker, all"):
+        from_arguments(LedgerConfig)
+    clean_otel_env.setenv("KVLEDGER_COLLECT_DETAILED_TRACES", "all")
+    config = from_arguments(LedgerConfig, redis_url="redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigError, match="--collect-detailed-traces needs tracing on"):
+        setup_observability("ledger", config)

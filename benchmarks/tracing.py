@@ -1,0 +1,473 @@
+"""What tracing costs: throughput with tracing off, on at sampling 1.0 and on at a ratio (0.1),
+real processes (`kvledger up`, the tiny model on the CPU), 48 concurrent requests, paired rounds.
+
+    python benchmarks/tracing.py [--rounds 5] [--requests 96] [--concurrency 48] [--json FILE]
+
+The three stacks run side by side, each idle while another is measured; every round measures
+all three, in an order that rotates from round to round, and compares each traced run with the
+untraced run of its own round. The traced stacks export over OTLP/HTTP (`--otlp-traces-endpoint`,
+`OTEL_TRACES_SAMPLER=parentbased_traceidratio` for the ratio) to receivers in child processes
+that parse each export only to count spans per trace: what a collector on the same host would
+cost. After each traced run the benchmark waits for the exporters to flush (so that no run pays
+for the one before). Prints output tokens/s per round, the ratios to off with their median, the
+services' CPU seconds per run, and the spans per request (median and max over the request
+traces of the last sampling-1.0 run), against the targets (>= 0.95x at 1.0, >= 0.99x at the
+ratio, <= 20 spans per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvledger.report import format_table  # noqa: E402
+from services.transport.redis_server import free_port  # noqa: E402
+
+TARGET_ON, TARGET_RATIO, TARGET_SPANS = 0.95, 0.99, 20
+
+
+# --- the receiver: a child process that counts spans per trace --------------------------------
+
+
+def serve_receiver(port: int) -> None:
+    """POST /v1/traces: parse, count spans per trace (and which traces hold a SERVER span);
+    GET /stats: the counts as JSON; POST /reset: forget them."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+
+    ok = ExportTraceServiceResponse().SerializeToString()
+    per_trace: dict[bytes, int] = {}
+    servers: set[bytes] = set()
+    totals = {"spans": 0, "exports": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/reset":
+                per_trace.clear()
+                servers.clear()
+                totals.update(spans=0, exports=0)
+                self._reply(b"{}", "application/json")
+                return
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(body)
+            totals["exports"] += 1
+            for resource in request.resource_spans:
+                for scope in resource.scope_spans:
+                    for span in scope.spans:
+                        totals["spans"] += 1
+                        per_trace[span.trace_id] = per_trace.get(span.trace_id, 0) + 1
+                        if span.kind == 2:  # SERVER: the gateway's root of a request's trace
+                            servers.add(span.trace_id)
+            self._reply(ok, "application/x-protobuf")
+
+        def do_GET(self) -> None:
+            stats = {**totals, "per_request": [per_trace[t] for t in servers if t in per_trace]}
+            self._reply(json.dumps(stats).encode(), "application/json")
+
+        def _reply(self, body: bytes, content_type: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
+class Receiver:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--serve-receiver", str(self.port)], cwd=ROOT
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError):
+                self.stats()
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the span receiver did not start")
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/traces"
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def reset(self) -> None:
+        urllib.request.urlopen(
+            urllib.request.Request(f"http://127.0.0.1:{self.port}/reset", data=b"", method="POST"),
+            timeout=10,
+        ).read()
+
+    def settle(self, quiet_s: float = 6.0, limit_s: float = 30.0) -> int:
+        """Wait until no span arrived for `quiet_s` (longer than the batch processors' 5 s
+        schedule: the exporters flushed); the span count."""
+        deadline = time.monotonic() + limit_s
+        last, since = self.stats()["spans"], time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            now = self.stats()["spans"]
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+        return last
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+# --- the stacks ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    name: str
+    url: str
+    process: subprocess.Popen
+    receiver: Receiver | None = None
+    runs: list[Run] = field(default_factory=list)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds so far of each role under this `kvledger up` (user + system)."""
+        import psutil
+
+        totals: dict[str, float] = {}
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                cmdline = child.cmdline()
+                role = next(
+                    (r for r in ("ledger", "worker", "gateway") if r in cmdline),
+                    "redis" if "redis-server" in " ".join(cmdline) else None,
+                )
+                if role is None:
+                    continue
+                times = child.cpu_times()
+                totals[role] = totals.get(role, 0.0) + times.user + times.system
+        return totals
+
+
+@dataclass
+class Run:
+    round: int
+    wall_s: float
+    output_tokens: int
+    cpu_s: dict[str, float]
+    spans: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        """The services' CPU (every role and Redis) per output token: steadier than tok/s on a
+        shared machine, since other jobs take wall time, not this run's CPU seconds."""
+        return 1000 * sum(self.cpu_s.values()) / self.output_tokens
+
+
+def start_stack(name: str, args: argparse.Namespace, env_extra: dict[str, str]) -> Stack:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.pop("KVLEDGER_COLLECT_DETAILED_TRACES", None)
+    env.update(KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000", **env_extra)
+    receiver = Receiver() if name != "off" else None
+    cmd = [
+        sys.executable, "-m", "kvledger.cli", "up", "--port", str(port), "--device", "cpu",
+        "--metrics-port", str(free_port()), "--num-gpu-blocks-override", str(args.num_blocks),
+        "--kv-cache-memory-bytes", "256MiB", "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs),
+    ]  # fmt: skip
+    if receiver is not None:
+        cmd += ["--otlp-traces-endpoint", receiver.url]
+    process = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if "Press Ctrl-C" in line:
+            break
+    else:
+        raise RuntimeError(f"kvledger up ({name}) exited before serving")
+    # Keep reading its output so that a full pipe never blocks it.
+    import threading
+
+    threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()  # type: ignore[union-attr]
+    return Stack(name, f"http://127.0.0.1:{port}", process, receiver)
+
+
+@contextlib.contextmanager
+def stacks(args: argparse.Namespace) -> Iterator[list[Stack]]:
+    started: list[Stack] = []
+    try:
+        started.append(start_stack("off", args, {}))
+        started.append(start_stack("on 1.0", args, {}))
+        started.append(
+            start_stack(
+                f"on {args.ratio:g}",
+                args,
+                {
+                    "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                    "OTEL_TRACES_SAMPLER_ARG": str(args.ratio),
+                },
+            )
+        )
+        yield started
+    finally:
+        for stack in started:
+            stack.process.terminate()
+        for stack in started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                stack.process.wait(timeout=30)
+            if stack.receiver is not None:
+                stack.receiver.close()
+
+
+# --- the load -----------------------------------------------------------------------------------
+
+
+def workload(args: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    prefixes = [[rng.randrange(32, 127) for _ in range(args.prefix_len)] for _ in range(4)]
+    return [
+        prefixes[i % len(prefixes)]
+        + [rng.randrange(32, 127) for _ in range(args.prompt_len - args.prefix_len)]
+        for i in range(args.requests)
+    ]
+
+
+async def drive(url: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple[float, int]:
+    import aiohttp
+
+    semaphore = asyncio.Semaphore(args.concurrency)
+    tokens = 0
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
+        nonlocal tokens
+        body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        async with semaphore, session.post(f"{url}/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            tokens += (await resp.json())["usage"]["completion_tokens"]
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(one(session, p) for p in prompts))
+        return time.perf_counter() - started, tokens
+
+
+def isolated_span_cost(iterations: int = 300) -> float:
+    """CPU microseconds to make, end and encode the spans of one request (the shapes the
+    services make: the gateway's server and GenAI spans, the ledger's queue and admit, the
+    worker's prefill and decode, a share of a step), through an SDK provider and kvledger's
+    encoder, measured in this process: the cost without the noise of a shared machine."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+
+    from observability.otlp_encoding import encode_spans
+    from observability.tracing import kvledger_sampler
+
+    class Encoding(SpanExporter):
+        def export(self, spans):  # type: ignore[no-untyped-def]
+            encode_spans(spans)
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider(sampler=kvledger_sampler())
+    provider.add_span_processor(SimpleSpanProcessor(Encoding()))
+    tracer = provider.get_tracer("kvledger")
+
+    def attrs(n: int, rid: str) -> dict:
+        return {"kvledger.request_id": rid, **{f"kvledger.attribute_{i}": i for i in range(n - 1)}}
+
+    def one_request(i: int) -> None:
+        rid = f"cmpl-{i:032x}"
+        with tracer.start_as_current_span("POST /v1/completions", attributes=attrs(4, rid)):
+            genai = tracer.start_span("text_completion m", attributes=attrs(26, rid))
+            for n in (8, 8, 10):  # queue, admit, prefill
+                tracer.start_span("kvledger.x", attributes=attrs(n, rid)).end()
+            decode = tracer.start_span("kvledger.decode", attributes=attrs(8, rid))
+            decode.add_link(decode.get_span_context())
+            decode.end()
+            genai.end()
+
+    for i in range(20):
+        one_request(i)
+    started = time.process_time()
+    for i in range(iterations):
+        one_request(i)
+        if i % 48 < 34:  # ~34 steps a wave of 48 requests, 32 tokens each
+            tracer.start_span("kvledger.step", attributes=attrs(12, "s")).end()
+    return 1e6 * (time.process_time() - started) / iterations
+
+
+SETTLE_S = 6.0  # past the batch processors' 5 s schedule: every span of the run is exported
+
+
+def measure(stack: Stack, prompts: list[list[int]], args: argparse.Namespace, n: int) -> Run:
+    """One run: the load, then SETTLE_S for every stack alike (so that the CPU seconds cover
+    the traced stacks' exports and the same idle time for all), then the counts."""
+    if stack.receiver is not None:
+        stack.receiver.settle()
+        stack.receiver.reset()
+    cpu_before = stack.cpu_seconds()
+    wall_s, tokens = asyncio.run(drive(stack.url, prompts, args))
+    time.sleep(SETTLE_S)
+    cpu = {k: v - cpu_before.get(k, 0.0) for k, v in stack.cpu_seconds().items()}
+    spans = stack.receiver.settle(quiet_s=1.0) if stack.receiver is not None else 0
+    run = Run(n, wall_s, tokens, cpu, spans)
+    stack.runs.append(run)
+    return run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=48)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=32, help="shared by a quarter each")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--ratio", type=float, default=0.1, help="the sampled stack's ratio")
+    parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write every run here")
+    parser.add_argument("--serve-receiver", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_receiver:
+        serve_receiver(args.serve_receiver)
+        return 0
+
+    prompts = workload(args)
+    load = os.getloadavg()[0]
+    with stacks(args) as started:
+        for stack in started:  # warm up: the first requests pay for imports and allocations
+            asyncio.run(drive(stack.url, prompts[: args.concurrency], args))
+        for n in range(args.rounds):
+            order = started[n % 3 :] + started[: n % 3]
+            for stack in order:
+                run = measure(stack, prompts, args, n + 1)
+                print(f"round {n + 1} {stack.name:>8}: {run.tok_s:8.1f} tok/s", flush=True)
+        per_request = started[1].receiver.stats()["per_request"] if started[1].receiver else []
+    off, on, ratio = started
+    name = f"on {args.ratio:g}"
+    rows = []
+    for n in range(args.rounds):
+        runs = (off.runs[n], on.runs[n], ratio.runs[n])
+        rows.append(
+            [n + 1, *(r.tok_s for r in runs),
+             f"{runs[1].tok_s / runs[0].tok_s:.3f}", f"{runs[2].tok_s / runs[0].tok_s:.3f}",
+             *(f"{r.cpu_ms_per_token:.3f}" for r in runs), runs[1].spans, runs[2].spans]
+        )  # fmt: skip
+    print()
+    table = format_table(
+            ["round", "off tok/s", "on 1.0 tok/s", f"{name} tok/s", "on 1.0 / off",
+             f"{name} / off", "off CPU ms/tok", "on 1.0 CPU ms/tok", f"{name} CPU ms/tok",
+             "spans 1.0", f"spans {args.ratio:g}"],
+            rows,
+            title=f"tracing cost: {args.requests} requests, {args.concurrency} concurrent, "
+            f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each, tiny model, CPU "
+            f"(load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at the end)",
+    )  # fmt: skip
+    print(table)
+    roles = sorted({r for stack in started for run in stack.runs for r in run.cpu_s})
+    cpu_rows = [
+        [stack.name]
+        + [statistics.median(run.cpu_s.get(r, 0.0) for run in stack.runs) for r in roles]
+        for stack in started
+    ]
+    print()
+    table = format_table(
+        ["stack", *[f"{r} CPU s" for r in roles]], cpu_rows,
+        title="median CPU seconds per run, by process",
+    )  # fmt: skip
+    print(table)
+
+    def ratios(stack: Stack, how) -> list[float]:
+        return [how(stack.runs[n], off.runs[n]) for n in range(args.rounds)]
+
+    def throughput(run: Run, base: Run) -> float:
+        return run.tok_s / base.tok_s
+
+    def cpu(run: Run, base: Run) -> float:  # as a throughput would be, were CPU all it took
+        return base.cpu_ms_per_token / run.cpu_ms_per_token
+
+    summary = []
+    for stack, target in ((on, TARGET_ON), (ratio, TARGET_RATIO)):
+        for label, how in (("throughput", throughput), ("CPU per token, inverted", cpu)):
+            values = ratios(stack, how)
+            median = statistics.median(values)
+            summary.append(
+                [f"{stack.name} / off, {label}", f"{median:.3f}x",
+                 f"{min(values):.3f}-{max(values):.3f}", f">= {target}x", median >= target]
+            )  # fmt: skip
+    spans_median = statistics.median(per_request) if per_request else 0
+    isolated_us = isolated_span_cost()
+    off_cpu_per_request_ms = statistics.median(
+        1000 * sum(run.cpu_s.values()) / args.requests for run in off.runs
+    )
+    estimate = 1 / (1 + isolated_us / 1000 / off_cpu_per_request_ms)
+    summary.append(
+        ["on 1.0 / off, CPU estimate from the spans' cost in isolation", f"{estimate:.3f}x",
+         f"{isolated_us:.0f} us a request / {off_cpu_per_request_ms:.1f} ms", f">= {TARGET_ON}x",
+         estimate >= TARGET_ON]
+    )  # fmt: skip
+    summary.append(
+        ["spans per request", spans_median,
+         f"{min(per_request, default=0)}-{max(per_request, default=0)}",
+         f"<= {TARGET_SPANS}", spans_median <= TARGET_SPANS]
+    )  # fmt: skip
+    print()
+    table = format_table(
+        ["measure", "median", "range", "target", "met"], summary,
+        title=f"{len(per_request)} request traces in the last sampling-1.0 run",
+    )  # fmt: skip
+    print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "load_average": load,
+                    "runs": {s.name: [vars(r) for r in s.runs] for s in started},
+                    "spans_per_request": per_request,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

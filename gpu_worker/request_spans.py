@@ -1,0 +1,277 @@
+"""The worker's spans: each step's `kvledger.step` (the worker's view: a trace of its own, a
+consumer of the steps stream) and, in every request's own trace, the work it took part in:
+
+- `kvledger.prefill`: one per prefill chunk, with the tokens computed, the prefix-cache hit it
+  started from, and `kvledger.recompute` when it recomputes after a preemption;
+- `kvledger.decode`: one per run of decode steps (from its first decode step until it finishes,
+  is preempted, or the worker idles), with counts: steps, tokens, compute seconds; one event per
+  step only with --collect-detailed-traces. Never a span per token.
+
+Links go both ways: a prefill span links to its step and the step to it; a decode run links to
+its first and last steps and its first step to it (with --collect-detailed-traces every step
+links to every request in it: a link per request per step, the costliest part of a trace).
+Only sampled requests (the traceparent's flag, decided once at the gateway) get spans and links,
+so a trace left out costs a dictionary look-up per step; a step that computed a sampled request
+is kept (`kvledger.num_traced_requests`, see `observability.tracing.kvledger_sampler`). Open
+decode spans are ended by `close_all` (idle, new epoch, shutdown), so none is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
+
+from observability import Attr, EventName, SpanName, span_context_from_traceparent
+from services.wire.messages import StepMessage
+
+
+class _Decode:
+    __slots__ = (
+        "compute_ns",
+        "first_step",
+        "first_step_context",
+        "last_end_ns",
+        "last_step",
+        "last_step_context",
+        "num_steps",
+        "num_tokens",
+        "span",
+    )
+
+    def __init__(self, span: Span, step_id: int, step_context: SpanContext | None) -> None:
+        self.span = span
+        self.first_step = self.last_step = step_id
+        self.first_step_context = self.last_step_context = step_context
+        self.num_steps = self.num_tokens = self.compute_ns = self.last_end_ns = 0
+
+
+class _Request:
+    """What the worker's spans need of one request it holds."""
+
+    __slots__ = ("decode", "num_cached", "num_preemptions", "parent", "prefill_until", "req_id")
+
+    def __init__(
+        self, req_id: str, parent: Context, prefill_until: int, num_cached: int, preemptions: int
+    ) -> None:
+        self.req_id = req_id
+        self.parent = parent  # the request's trace (the gateway's GenAI span), sampled
+        self.prefill_until = prefill_until  # positions below it are prefill (or recompute)
+        self.num_cached = num_cached
+        self.num_preemptions = preemptions
+        self.decode: _Decode | None = None
+
+
+class RequestSpans:
+    """Spans for the steps one worker runs. `requests=False` (a tensor-parallel rank other than
+    0, whose work rank 0 already shows) keeps only the step spans."""
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        worker_id: str,
+        steps_stream: str,
+        *,
+        requests: bool = True,
+        detailed: bool = False,
+    ) -> None:
+        self.tracer = tracer
+        self.worker_id = worker_id
+        self.steps_stream = steps_stream
+        self.trace_requests = requests
+        self.detailed = detailed
+        self.epoch: str | None = None
+        self.requests: dict[str, _Request] = {}  # sampled requests the worker holds
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, step: StepMessage, start_ns: int, end_ns: int, error: str | None = None) -> None:
+        if step.epoch != self.epoch:
+            self.close_all("epoch")  # the workers dropped every request
+            self.epoch = step.epoch
+        requests = self.requests
+        if requests:
+            for req_id in step.finished_req_ids:
+                self._forget(req_id, "finished")
+            for req_id in step.preempted_req_ids:
+                self._forget(req_id, "preempted")
+        if self.trace_requests:
+            for new in step.new_reqs:
+                self._forget(new.req_id, "resumed")
+                span_context = span_context_from_traceparent(new.traceparent)
+                if span_context is not None and span_context.trace_flags.sampled:
+                    parent = trace.set_span_in_context(
+                        trace.NonRecordingSpan(span_context), Context()
+                    )
+                    requests[new.req_id] = _Request(
+                        new.req_id, parent, len(new.token_ids), new.num_computed_tokens,
+                        new.num_preemptions,
+                    )  # fmt: skip
+        scheduled = step.num_scheduled_tokens
+        prefills: list[Span] = []
+        decodes: list[_Request] = []
+        links: list[Link] = []
+        num_traced = 0
+        if requests:
+            for req_id, position in _positions(step):
+                request = requests.get(req_id)
+                if request is None:
+                    continue
+                num_tokens = scheduled.get(req_id, 0)
+                num_traced += 1
+                if position < request.prefill_until:
+                    span = self._prefill_span(request, step, position, num_tokens, start_ns)
+                    prefills.append(span)
+                    links.append(Link(span.get_span_context(), {Attr.REQUEST_ID: req_id}))
+                    if request.decode is not None:  # a chunk after decoding: not expected
+                        self._end_decode(request, "prefill")
+                    continue
+                if request.decode is None:
+                    request.decode = _Decode(
+                        self.tracer.start_span(
+                            SpanName.DECODE,
+                            context=request.parent,
+                            start_time=start_ns,
+                            attributes={Attr.REQUEST_ID: req_id},
+                        ),
+                        step.step_id,
+                        None,
+                    )
+                decode = request.decode
+                decode.num_steps += 1
+                decode.num_tokens += num_tokens
+                decode.compute_ns += end_ns - start_ns
+                decode.last_step, decode.last_end_ns = step.step_id, end_ns
+                decodes.append(request)
+                if decode.num_steps == 1 or self.detailed:
+                    links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
+        step_span = self._step_span(step, start_ns, links, num_traced)
+        if error is not None:
+            step_span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
+        step_context = step_span.get_span_context() if step_span.is_recording() else None
+        for span in prefills:
+            if step_context is not None:
+                span.add_link(step_context)
+            if error is not None:
+                span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
+            span.end(end_time=end_ns)
+        for request in decodes:
+            run = request.decode
+            assert run is not None
+            if run.first_step_context is None and run.num_steps == 1:
+                run.first_step_context = step_context
+                if step_context is not None:
+                    run.span.add_link(step_context)
+            run.last_step_context = step_context
+            if self.detailed:
+                run.span.add_event(
+                    EventName.STEP,
+                    {
+                        Attr.STEP_ID: step.step_id,
+                        Attr.BATCH_SIZE: len(scheduled),
+                        Attr.NUM_TOKENS: scheduled.get(request.req_id, 0),
+                        Attr.COMPUTE_S: (end_ns - start_ns) / 1e9,
+                    },
+                    timestamp=start_ns,
+                )
+        step_span.end(end_time=end_ns)
+
+    def _prefill_span(
+        self, request: _Request, step: StepMessage, position: int, num_tokens: int, start_ns: int
+    ) -> Span:
+        return self.tracer.start_span(
+            SpanName.PREFILL,
+            context=request.parent,
+            start_time=start_ns,
+            attributes={
+                Attr.REQUEST_ID: request.req_id,
+                Attr.STEP_ID: step.step_id,
+                Attr.BATCH_SIZE: len(step.num_scheduled_tokens),
+                Attr.PREFILL_START: position,
+                Attr.NUM_COMPUTED_TOKENS: num_tokens,
+                Attr.NUM_CACHED_TOKENS: request.num_cached,
+                Attr.PREFILL_TOKENS: request.prefill_until,
+                Attr.PREFILL_DONE: position + num_tokens >= request.prefill_until,
+                Attr.RECOMPUTE: request.num_preemptions > 0,
+                Attr.NUM_PREEMPTIONS: request.num_preemptions,
+            },
+        )
+
+    def _step_span(
+        self, step: StepMessage, start_ns: int, links: list[Link], num_traced: int
+    ) -> Span:
+        scheduled = step.num_scheduled_tokens
+        num_tokens = sum(scheduled.values())
+        decode_tokens = sum(1 for r in step.cached_reqs if scheduled.get(r.req_id) == 1)
+        return self.tracer.start_span(
+            SpanName.STEP,
+            kind=SpanKind.CONSUMER,
+            start_time=start_ns,
+            links=links,
+            attributes={
+                Attr.STEP_ID: step.step_id,
+                Attr.WORKER_ID: self.worker_id,
+                Attr.BATCH_SIZE: len(scheduled),
+                Attr.NUM_TOKENS: num_tokens,
+                Attr.NUM_DECODE_TOKENS: decode_tokens,
+                Attr.NUM_PREFILL_TOKENS: num_tokens - decode_tokens,
+                Attr.MESSAGING_SYSTEM: "redis",
+                Attr.MESSAGING_OPERATION_TYPE: "process",
+                Attr.MESSAGING_DESTINATION_NAME: self.steps_stream,
+                Attr.MESSAGING_BATCH_MESSAGE_COUNT: len(scheduled),
+                Attr.NUM_TRACED_REQUESTS: num_traced,
+            },
+        )
+
+    # ------------------------------------------------------------------ ends
+
+    def _forget(self, req_id: str, why: str) -> None:
+        request = self.requests.pop(req_id, None)
+        if request is not None and request.decode is not None:
+            self._end_decode(request, why)
+
+    def _end_decode(self, request: _Request, why: str) -> None:
+        decode = request.decode
+        assert decode is not None
+        request.decode = None
+        span = decode.span
+        span.set_attributes(
+            {
+                Attr.NUM_STEPS: decode.num_steps,
+                Attr.NUM_COMPUTED_TOKENS: decode.num_tokens,
+                Attr.FIRST_STEP_ID: decode.first_step,
+                Attr.LAST_STEP_ID: decode.last_step,
+                Attr.COMPUTE_S: decode.compute_ns / 1e9,
+                Attr.SEGMENT_END: why,
+                Attr.NUM_PREEMPTIONS: request.num_preemptions,
+            }
+        )
+        last = decode.last_step_context
+        if last is not None and decode.last_step != decode.first_step:
+            span.add_link(last)
+        span.end(end_time=decode.last_end_ns or time.time_ns())
+
+    def idle(self) -> None:
+        """No step came for a while: end the decode runs (a request that comes back starts a
+        new one), so their spans are exported now rather than when the next step comes."""
+        for request in self.requests.values():
+            if request.decode is not None:
+                self._end_decode(request, "idle")
+
+    def close_all(self, why: str) -> None:
+        """End every open span and forget every request (a new epoch, the worker stopping)."""
+        for request in self.requests.values():
+            if request.decode is not None:
+                self._end_decode(request, why)
+        self.requests.clear()
+
+
+def _positions(step: StepMessage) -> Iterable[tuple[str, int]]:
+    """(req_id, the position of its first token computed in this step) for every request."""
+    for new in step.new_reqs:
+        yield new.req_id, new.num_computed_tokens
+    for cached in step.cached_reqs:
+        yield cached.req_id, cached.num_computed_tokens
