@@ -177,12 +177,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except RedisError as exc:
         log.error("redis_unreachable", path=request.path, error=str(exc))
         message = f"the gateway cannot reach Redis ({type(exc).__name__}); retry shortly"
-        return _error_response(ApiError(503, message, err_type="service_unavailable_error"))
+        return _error_response(ApiError(503, message))
     except Exception:
         log.exception("request_crashed", path=request.path)
-        return _error_response(
-            ApiError(500, "internal error in the gateway", err_type="server_error")
-        )
+        return _error_response(ApiError(500, "internal error in the gateway"))
 
 
 def _auth(api_key: str | None) -> Middleware:
@@ -193,7 +191,6 @@ def _auth(api_key: str | None) -> Middleware:
                 401,
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
                 "the key the gateway was given in KVLEDGER_API_KEY",
-                err_type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return await handler(request)
@@ -219,9 +216,7 @@ def _error_response(exc: ApiError) -> web.Response:
 
 def _from_http(exc: web.HTTPException, request: web.Request) -> ApiError:
     if exc.status == 404:
-        return ApiError(
-            404, f"no route {request.method} {request.path}", err_type="not_found_error"
-        )
+        return ApiError(404, f"no route {request.method} {request.path}")
     if exc.status == 405:
         allowed = exc.headers.get("Allow", "")
         message = f"method {request.method} is not allowed on {request.path}; use {allowed}"

@@ -35,11 +35,14 @@ class Usage:
         )
 
     def body(self) -> dict[str, Any]:
+        return self.counts() | {"prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def counts(self) -> dict[str, int]:
+        """The usage of a chunk under continuous_usage_stats: vLLM sends no details there."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -102,9 +105,8 @@ def chunk_body(
 ) -> dict[str, Any]:
     """One streamed piece of choice `index`; chat's first chunk carries the role."""
     if meta.kind == "chat":
-        delta: dict[str, Any] = {"role": role, "content": text} if role else {}
-        if text and not role:
-            delta["content"] = text
+        # vLLM's delta: the role (first chunk only) and the text, "" included.
+        delta: dict[str, Any] = {"role": role, "content": text} if role else {"content": text}
         choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text}

@@ -100,7 +100,6 @@ async def _read_body(request: web.Request, timeout_s: float) -> bytes:
         raise ApiError(
             408,
             f"the request body did not arrive within {timeout_s:g}s (--body-timeout-s)",
-            err_type="timeout_error",
             headers={"Connection": "close"},
         ) from None
 

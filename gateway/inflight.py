@@ -39,8 +39,8 @@ WORKER_FAILED_PREFIX = "the worker failed on this request"
 class GenerationError(ApiError):
     """Ends an accepted request; `abort_reason` is what the ledger is told (None: it knows)."""
 
-    def __init__(self, status: int, message: str, err_type: str, abort_reason: str | None):
-        super().__init__(status, message, err_type=err_type)
+    def __init__(self, status: int, message: str, abort_reason: str | None):
+        super().__init__(status, message)
         self.abort_reason = abort_reason
 
 
@@ -194,7 +194,7 @@ class Generation:
             self.finish_reason = "error"
             raise GenerationError(
                 500, "the ledger returned tokens without the logprobs the request asked for",
-                "server_error", "gateway_error",
+                "gateway_error",
             )  # fmt: skip
         return tracker.logprobs[start:] if wanted else []
 
@@ -229,19 +229,17 @@ class Generation:
                 try:
                     await self.gw.check_progress(waiting_since)
                 except ApiError as exc:
-                    raise GenerationError(
-                        exc.status, exc.message, exc.err_type, "stalled"
-                    ) from None
+                    raise GenerationError(exc.status, exc.message, "stalled") from None
                 continue
             if item is SHUTDOWN:
                 raise GenerationError(
                     503, "the gateway is shutting down; the request was aborted",
-                    "service_unavailable_error", "gateway_shutdown",
+                    "gateway_shutdown",
                 )  # fmt: skip
             return item
         raise GenerationError(
             504, f"no output from the ledger for {timeout_s:g}s; the request was aborted",
-            "timeout_error", "timeout",
+            "timeout",
         )  # fmt: skip
 
     @property
@@ -289,5 +287,5 @@ def ledger_failure(detail: str) -> GenerationError:
     ledger refused, or settings a worker could not sample with) is a 400, the rest a 500."""
     message = f"the ledger failed the request: {detail}"
     if detail.startswith(LEDGER_FIELD_PREFIX) or detail.startswith(WORKER_FAILED_PREFIX):
-        return GenerationError(400, message, "invalid_request_error", None)
-    return GenerationError(500, message, "server_error", None)
+        return GenerationError(400, message, None)
+    return GenerationError(500, message, None)

@@ -15,7 +15,6 @@ from gateway.chat import RESPONSE_ROLE, read_chat_prompt
 from gateway.fields import (
     INT64_MAX,
     INT64_MIN,
-    ApiError,
     bad_request,
     read_bool,
     read_cache_salt,
@@ -26,6 +25,7 @@ from gateway.fields import (
     read_str,
     read_stream_options,
     read_token_ids,
+    unknown_model,
 )
 from gateway.logits_fields import LogitsFields, read_logits_fields
 from gateway.logprobs import LogprobFields, read_chat_logprobs, read_completion_logprobs
@@ -81,6 +81,7 @@ class Job:
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
     echo_text: str | None = None  # shown before the output (echo); None: no echo
+    echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone is answered
     role: str = RESPONSE_ROLE  # chat: the answer's role
     prompt_text: str | None = None  # chat's return_prompt_text: the rendered prompt
     request_id: str | None = None  # the client's id (response id cmpl-<request_id>)
@@ -151,18 +152,34 @@ def parse_completion(
         raise bad_request("'prompt' is required", "prompt")
     add_special = read_bool(body, "add_special_tokens", default=True)
     prompts = read_prompts(body["prompt"], tokenizer, add_special)
-    max_tokens = read_int(body, "max_tokens", lo=1)
-    first_ids = prompts[0][0]
-    job = _job(body, "completion", first_ids, "prompt", max_tokens or default_max_tokens, tokenizer)
     echo = read_bool(body, "echo")
+    max_tokens = read_int(body, "max_tokens", lo=0)
+    # Prompt scoring: echo with max_tokens 0 answers the prompt alone (with its logprobs). As
+    # vLLM, the ledger samples one token, which the answer leaves out of text and logprobs.
+    echo_only = echo and max_tokens == 0
+    if max_tokens == 0 and not echo:
+        raise bad_request(
+            "'max_tokens' must be >= 1, got 0 (0 is for scoring a prompt: with 'echo': true)",
+            "max_tokens",
+        )
+    if echo_only or max_tokens is None:
+        max_tokens = 1 if echo_only else default_max_tokens
+    job = _job(body, "completion", prompts[0][0], "prompt", max_tokens, tokenizer)
     best_of = read_best_of(body, job.n, job.stream)
     check_num_sequences(len(prompts), job.n, best_of)
     job = dataclasses.replace(
-        job, logprobs=read_completion_logprobs(body, echo, job.stream), best_of=best_of
+        job,
+        logprobs=read_completion_logprobs(body, echo, job.stream),
+        best_of=best_of,
+        echo_only=echo_only,
     )
+    # vLLM echoes no text when it returns token ids: the prompt_token_ids say it.
     return [
         dataclasses.replace(
-            job, prompt_token_ids=ids, echo_text=text if echo else None, prompt_index=i
+            job,
+            prompt_token_ids=ids,
+            echo_text=("" if job.return_token_ids else text) if echo else None,
+            prompt_index=i,
         )
         for i, (ids, text) in enumerate(prompts)
     ]
@@ -256,7 +273,7 @@ def resolve(job: Job, limits: Limits) -> Job:
     """Check the job against the serving ledger's limits, truncate its prompt when asked, and
     fill chat's default max_tokens."""
     if job.model is not None and job.model != limits.model_name:
-        raise ApiError(404, f"The model `{job.model}` does not exist.", "model")
+        raise unknown_model(job.model, limits.model_name)
     if job.priority != 0 and limits.scheduling_policy != "priority":
         raise bad_request(
             f"Got priority {job.priority} but priority scheduling is not enabled: the ledger "

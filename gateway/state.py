@@ -111,7 +111,6 @@ class Gateway:
             f"{what} for {stalled_s:.0f}s (--stall-timeout {self.config.stall_timeout_s:g}s, "
             f"KVLEDGER_STALL_TIMEOUT); the request was aborted. "
             + self.unavailable_message(status),
-            err_type="service_unavailable_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
 
@@ -132,7 +131,6 @@ class Gateway:
                 )
                 raise ApiError(
                     503, self.unavailable_message(status, self.config.ledger_wait_s),
-                    err_type="service_unavailable_error",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )  # fmt: skip
             await asyncio.sleep(LEDGER_POLL_S)
@@ -187,7 +185,6 @@ class Gateway:
                 429,
                 f"this gateway already has {self.in_flight} requests in flight (max_queue="
                 f"{self.config.max_queue}); retry after {RETRY_AFTER_S}s",
-                err_type="rate_limit_error",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self.in_flight += 1
@@ -198,9 +195,7 @@ class Gateway:
 
     def _refuse_when_closing(self) -> None:
         if self.closing:
-            raise ApiError(
-                503, "the gateway is shutting down", err_type="service_unavailable_error"
-            )
+            raise ApiError(503, "the gateway is shutting down")
 
     async def send(self, msg: Any, replica: str | None = None) -> None:
         """To the requests stream of `replica` (routing's choice; None: the first replica)."""

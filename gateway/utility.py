@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.chat import read_chat_prompt
-from gateway.fields import ApiError, bad_request, read_bool, read_model, read_token_ids
+from gateway.fields import bad_request, read_bool, read_model, read_token_ids, unknown_model
 from gateway.openapi import openapi_document
 from gateway.protocol import parse_json
 from gateway.state import Gateway
@@ -66,9 +66,7 @@ def add_utility_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -
         limits = gw.limits(await gw.ledger_status(max_age_s=0))
         model_id = request.match_info["model_id"]
         if model_id != limits.model_name:
-            raise ApiError(
-                404, f"The model `{model_id}` does not exist.", "model", "not_found_error"
-            )
+            raise unknown_model(model_id, limits.model_name)
         return web.json_response(model_body(gw, limits.model_name, limits.max_model_len))
 
     async def show_version(_: web.Request) -> web.Response:
@@ -114,7 +112,7 @@ def kvledger_version() -> str:
 def _check_model(body: dict[str, Any], served: str) -> None:
     model = read_model(body.get("model"))
     if model is not None and model != served:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model", "not_found_error")
+        raise unknown_model(model, served)
 
 
 def _tokenize(gw: Gateway, body: dict[str, Any]) -> list[int]:

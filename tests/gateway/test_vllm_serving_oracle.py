@@ -1,0 +1,170 @@
+"""The gateway's answers against vLLM 0.33's own serving code, field by field: each request goes
+through the real gateway to the fake ledger, and the engine outputs the fake ledger sent are
+given to vLLM's completion and chat generators (tests/oracle/vllm_serving_driver.py, in vLLM's
+venv). Both answers must be equal once ids and timestamps are set aside and null fields dropped
+(a null and an absent field parse the same; vLLM writes some of its nulls, kvledger omits them).
+
+This pins what the protocol models cannot: which chunks carry `usage` under stream_options, the
+role chunk's usage, echo chunks, finish and stop reasons, the final usage chunk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.tokenization.tokenizer import ByteTokenizer
+from services.wire.messages import GenerateRequest, TokenLogprobs
+from tests.gateway.fake_ledger import EOS, Script, outputs_for
+from tests.gateway.helpers import read_sse
+from tests.oracle.conftest import require_vllm_python, run_driver
+
+pytestmark = pytest.mark.oracle
+
+MODEL = "served-model"  # the driver's name for the model
+CHAT = [{"role": "user", "content": "Hi"}]
+CONTINUED = [*CHAT, {"role": "assistant", "content": "Sure"}]
+BOTH = {"include_usage": True, "continuous_usage_stats": True}
+COMPLETIONS, CHATS = "/v1/completions", "/v1/chat/completions"
+
+# (name, route, body): every one answered by the fake ledger, EOS after 5 tokens.
+REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
+    ("completion", COMPLETIONS, {"prompt": "The KV", "max_tokens": 4}),
+    ("completion_eos", COMPLETIONS, {"prompt": "The KV", "max_tokens": 9}),
+    ("completion_echo_ids", COMPLETIONS,
+     {"prompt": "ab", "max_tokens": 3, "echo": True, "return_token_ids": True}),
+    ("completion_stream", COMPLETIONS, {"prompt": "The KV", "max_tokens": 3, "stream": True}),
+    ("completion_stream_usage", COMPLETIONS,
+     {"prompt": "x", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}),
+    ("completion_stream_continuous", COMPLETIONS,
+     {"prompt": "x", "max_tokens": 9, "stream": True, "stream_options": BOTH}),
+    ("completion_stream_continuous_alone", COMPLETIONS,
+     {"prompt": "x", "max_tokens": 3, "stream": True,
+      "stream_options": {"continuous_usage_stats": True}}),
+    ("completion_stream_echo_ids", COMPLETIONS,
+     {"prompt": "ab", "max_tokens": 3, "stream": True, "echo": True, "return_token_ids": True,
+      "stream_options": BOTH}),
+    ("completion_logprobs_echo", COMPLETIONS,
+     {"prompt": "The KV", "max_tokens": 3, "echo": True, "logprobs": 2}),
+    ("completion_score", COMPLETIONS,
+     {"prompt": "The KV", "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}),
+    ("completion_score_ids", COMPLETIONS,
+     {"prompt": [[256, 65, 66], [256, 67]], "max_tokens": 0, "echo": True, "logprobs": 1,
+      "return_token_ids": True}),
+    ("completion_score_stream", COMPLETIONS,
+     {"prompt": "ab", "max_tokens": 0, "echo": True, "logprobs": 0, "stream": True,
+      "stream_options": BOTH}),
+    ("chat", CHATS, {"messages": CHAT, "max_tokens": 4}),
+    ("chat_eos_ids", CHATS, {"messages": CHAT, "max_tokens": 9, "return_token_ids": True}),
+    ("chat_echo", CHATS,
+     {"messages": CONTINUED, "max_tokens": 2, "echo": True, "add_generation_prompt": False,
+      "continue_final_message": True}),
+    ("chat_stream", CHATS, {"messages": CHAT, "max_tokens": 3, "stream": True}),
+    ("chat_stream_usage", CHATS,
+     {"messages": CHAT, "max_tokens": 9, "stream": True,
+      "stream_options": {"include_usage": True}}),
+    ("chat_stream_continuous", CHATS,
+     {"messages": CHAT, "max_tokens": 3, "stream": True, "stream_options": BOTH}),
+    ("chat_stream_continuous_alone", CHATS,
+     {"messages": CHAT, "max_tokens": 3, "stream": True,
+      "stream_options": {"continuous_usage_stats": True}}),
+    ("chat_stream_echo_continuous", CHATS,
+     {"messages": CONTINUED, "max_tokens": 2, "stream": True, "echo": True,
+      "add_generation_prompt": False, "continue_final_message": True, "stream_options": BOTH}),
+    ("chat_stream_ids", CHATS,
+     {"messages": CHAT, "max_tokens": 2, "stream": True, "return_token_ids": True}),
+]  # fmt: skip
+REQUESTS_BY_NAME = {name: body for name, _, body in REQUESTS}
+# A whole answer to a batch of prompts: kvledger's cached_tokens counts every prompt's hits (each
+# hits SCRIPT.cached_tokens here), vLLM's only the last prompt's. The one difference kept.
+SUMMED_CACHE_HITS = ("completion_score_ids",)
+SCRIPT = Script(eos_after=5, cached_tokens=2)
+TOKENIZER = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    return require_vllm_python()
+
+
+async def test_answers_equal_vllms_serving_code_field_by_field(
+    vllm_python, start_gateway, start_ledger, tmp_path
+):
+    ledger = await start_ledger(SCRIPT, model_name=MODEL)
+    client = await start_gateway()
+    ours: dict[str, list[Any]] = {}
+    cases, sent = [], 0
+    for name, route, body in REQUESTS:
+        body = body | {"model": MODEL}
+        resp = await client.post(route, json=body)
+        assert resp.status == 200, (name, await resp.text())
+        ours[name] = await read_sse(resp) if body.get("stream") else [await resp.json()]
+        requests = ledger.requests[sent:]
+        sent += len(requests)
+        case = _case(name, route, body, requests[0])
+        if len(requests) > 1:  # a batch of prompts: one ledger request each
+            prompts = body["prompt"]
+            case["batch"] = [_case(name, route, body | {"prompt": p}, r)
+                             for p, r in zip(prompts, requests, strict=True)]  # fmt: skip
+        cases.append(case)
+    results = run_driver(vllm_python, "vllm_serving_driver", {"cases": cases}, tmp_path)
+    differences = []
+    for result in results["results"]:
+        name = result["name"]
+        assert "error" not in result, f"{name}: vLLM's code failed:\n{result['error']}"
+        theirs = [_normal(b) for b in result["bodies"]]
+        if name in SUMMED_CACHE_HITS:  # vLLM reports the last prompt's hits, kvledger all
+            usage = theirs[0]["usage"]
+            usage["prompt_tokens_details"]["cached_tokens"] *= len(REQUESTS_BY_NAME[name]["prompt"])
+        mine = [_normal(b) for b in ours[name]]
+        if mine != theirs:
+            differences.append(f"{name}:\n  ours {mine}\n  vllm {theirs}")
+    assert differences == [], "\n".join(differences)
+
+
+def _case(name: str, route: str, body: dict[str, Any], request: GenerateRequest) -> dict[str, Any]:
+    """The driver's case: the body and the engine outputs the fake ledger sent for it."""
+    steps, prompt_logprobs = [], None
+    for out in outputs_for(request, SCRIPT):
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = [None, *map(_entry, out.prompt_logprobs)]
+        ids = out.new_token_ids
+        shown = [t for t in ids if t != EOS]  # vLLM's detokenizer shows no EOS text either
+        steps.append({
+            "index": 0, "text": TOKENIZER.decode(shown), "token_ids": ids,
+            "finish_reason": out.finish_reason, "stop_reason": None,
+            "logprobs": None if out.logprobs is None else [_entry(e) for e in out.logprobs],
+        })  # fmt: skip
+    prompt = body.get("prompt")
+    return {
+        "name": name, "kind": "completion" if route == COMPLETIONS else "chat", "request": body,
+        "prompt": prompt if isinstance(prompt, str) else None,
+        "prompt_token_ids": request.prompt_token_ids, "prompt_logprobs": prompt_logprobs,
+        "num_cached_tokens": SCRIPT.cached_tokens, "steps": steps, "tokenizer": "bytes",
+    }  # fmt: skip
+
+
+def _entry(entry: TokenLogprobs) -> dict[str, dict[str, Any]]:
+    """A position's logprobs as vLLM's engine gives them: by token id, the chosen one first
+    with its rank, the top-k ranked 1, 2, ..., each with its decoded text."""
+    ranks = [entry.rank, *range(1, len(entry.token_ids))]
+    return {
+        str(t): {"logprob": lp, "rank": rank, "decoded_token": TOKENIZER.decode([t], False)}
+        for t, lp, rank in zip(entry.token_ids, entry.logprobs, ranks, strict=True)
+    }
+
+
+def _normal(body: Any) -> Any:
+    """Nulls dropped, ids and timestamps set aside."""
+    if body == "[DONE]":
+        return body
+    return {k: v for k, v in _drop_nulls(body).items() if k not in ("id", "created")}
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
