@@ -42,7 +42,10 @@ REMOVED_GUIDED_FIELDS = (
 
 _SAMPLING: dict[str, FieldSupport] = {
     "model": works("must name the served model (404 otherwise); may be omitted"),
-    "max_tokens": works("output token limit; the context must hold prompt plus max_tokens"),
+    "max_tokens": works(
+        "output token limit; the context must hold prompt plus max_tokens (completions: 0 with "
+        "echo scores the prompt)"
+    ),
     "temperature": works(
         "0 is greedy (below 1e-5 on the worker); 0 < t < 0.01 becomes 0.01, as vLLM"
     ),
@@ -111,7 +114,10 @@ _SAMPLING: dict[str, FieldSupport] = {
 COMPLETION_FIELDS: dict[str, FieldSupport] = {
     **_SAMPLING,
     "prompt": works("text or token ids, or a batch (list) of either: choices prompt by prompt"),
-    "echo": works("the prompt's text before the completion"),
+    "echo": works(
+        "the prompt's text before the completion (none with return_token_ids, as vLLM); with "
+        "max_tokens 0 the prompt alone and its logprobs (prompt scoring, as lm-eval uses)"
+    ),
     "add_special_tokens": works(
         "add BOS (the tokenizer's special tokens) to a text prompt; default true"
     ),
