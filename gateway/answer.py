@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import tools
 from gateway.bodies import (
     SSE_DONE,
     Meta,
@@ -73,6 +74,13 @@ def _mean_logprob(gen: Generation) -> float:
 
 def _final(gen: Generation, meta: Meta, text: str) -> dict[str, Any]:
     job, tracker = gen.job, gen.tracker
+    content: str | None = "" if job.echo_only else text
+    finish, tool_calls = gen.finish_reason, []
+    if job.tools is not None and finish is not None:
+        read = tools.answer(job.tools, gen.gw.tool_settings, text, finish)
+        content, tool_calls, finish = read.content, read.tool_calls, read.finish_reason
+    if job.echo_text:
+        content = job.echo_text + (content or "")
     token_ids = (job.prompt_token_ids, tracker.token_ids) if job.return_token_ids else None
     shown = LogprobsFormatter(gen.gw.tokenizer, job.logprobs)
     prompt_logprobs = None
@@ -80,8 +88,8 @@ def _final(gen: Generation, meta: Meta, text: str) -> dict[str, Any]:
         prompt_logprobs = shown.prompt_logprobs(tracker.prompt_logprobs)
     return final_body(
         meta,
-        (job.echo_text or "") + ("" if job.echo_only else text),
-        gen.finish_reason,
+        content,
+        finish,
         gen.stop_reason,
         gen.usage(),
         token_ids,
@@ -89,6 +97,7 @@ def _final(gen: Generation, meta: Meta, text: str) -> dict[str, Any]:
         prompt_text=job.prompt_text,
         logprobs=_logprobs(gen, shown, tracker.token_ids, tracker.logprobs, echo=True),
         prompt_logprobs=prompt_logprobs,
+        tool_calls=tool_calls,
     )
 
 
@@ -187,6 +196,9 @@ class _ChoiceStream:
         self.sent_any = False
         self.shown = LogprobsFormatter(gen.gw.tokenizer, job.logprobs)
         self.text_offset = 0
+        self.tools = None  # chat with tool calls read from the output
+        if job.kind == "chat" and job.tools is not None:
+            self.tools = tools.tool_stream(job.tools, gen.gw.tool_settings)
 
     def opening(self) -> list[dict[str, Any]]:
         """Chat's role chunk (and vLLM's separate echo chunk) before any token; under
@@ -227,15 +239,25 @@ class _ChoiceStream:
         )
         if logprobs is not None and logprobs.get("tokens"):
             self.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        text: str | None = self.echo + ("" if job.echo_only else pending.text)
+        finish, calls = pending.finish_reason, None
+        if self.tools is not None:
+            text, calls = self.tools.push(pending.text)
+            if finish is not None:
+                finish = tools.finish_reason(job.tools, finish, self.tools.called)
+            if not (text or calls or finish or job.return_token_ids or logprobs):
+                self.pending = Delta("")  # the parser holds it back (a tag, a name not done)
+                return None
         body = chunk_body(
             self.meta,
-            self.echo + ("" if job.echo_only else pending.text),
-            pending.finish_reason,
-            gen.stop_reason if pending.finish_reason else None,
+            text,
+            finish,
+            gen.stop_reason if finish else None,
             pending.token_ids if job.return_token_ids else None,
             self.prompt_ids,
             logprobs=logprobs,
             index=self.index,
+            tool_calls=calls,
         )
         if job.continuous_usage:
             body["usage"] = gen.usage().counts()

@@ -106,7 +106,7 @@ async def _read_body(request: web.Request, timeout_s: float) -> bytes:
 
 def _parse(gw: Gateway, kind: str, body: dict[str, Any]) -> list[Job]:
     if kind == "chat":
-        return [parse_chat(body, gw.tokenizer)]
+        return [parse_chat(body, gw.tokenizer, gw.tool_settings)]
     return parse_completion(body, gw.tokenizer, gw.config.default_max_tokens)
 
 

@@ -32,6 +32,7 @@ from gateway.logprobs import LogprobFields, read_chat_logprobs, read_completion_
 from gateway.prompts import check_num_sequences, read_best_of, read_n, read_prompts
 from gateway.structured import read_structured
 from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS_FIELDS, check_fields
+from gateway.tools import ToolRequest, ToolSettings, read_tools, tool_constraint
 from services.tokenization.tokenizer import ChatTemplateError, Tokenizer
 from services.wire.messages import (
     SamplingParams,
@@ -93,6 +94,7 @@ class Job:
     best_of: int | None = None  # completions: samples drawn per prompt, the best n returned
     prompt_index: int = 0  # which prompt of a batch (completions)
     structured: StructuredOutput | None = None  # response_format / structured_outputs, compiled
+    tools: ToolRequest | None = None  # chat's tools and tool_choice
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -185,9 +187,13 @@ def parse_completion(
     ]
 
 
-def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
+def parse_chat(
+    body: dict[str, Any], tokenizer: Tokenizer, tool_settings: ToolSettings | None = None
+) -> Job:
     check_fields(body, CHAT_FIELDS)
-    chat = read_chat_prompt(body)
+    settings = tool_settings or ToolSettings()
+    tools = read_tools(body, settings)
+    chat = read_chat_prompt(body, tools.tools if tools is not None else None)
     try:
         prompt_ids = tokenizer.apply_chat_template(chat.messages, chat.options)
         prompt_text = (
@@ -202,14 +208,23 @@ def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
     job = _job(body, "chat", prompt_ids, "messages", read_int(body, param, lo=1), tokenizer)
-    return dataclasses.replace(
+    job = dataclasses.replace(
         job,
         max_tokens_param=param,
         role=chat.role,
         echo_text=chat.echo_text or None,
         prompt_text=prompt_text,
         logprobs=read_chat_logprobs(body, read_bool(body, "echo"), job.stream),
+        tools=tools,
     )
+    if tools is not None and tools.reads_calls:
+        # As vLLM's tool parsers: special tokens stay in the text (tool-call markers are special
+        # in many vocabularies); a forced choice's schema replaces any other constraint.
+        job = dataclasses.replace(job, skip_special_tokens=False)
+        constraint = tool_constraint(tools, settings)
+        if constraint is not None:
+            job = dataclasses.replace(job, structured=constraint)
+    return job
 
 
 def _job(

@@ -22,8 +22,10 @@ from gateway.fields import ApiError
 from gateway.output_reader import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
 from gateway.router import routing_for
+from gateway.tools import ConfigProblem, ToolSettings
 from observability import GatewayMetrics, LedgerSnapshot, get_logger, new_registry
 from services.config import GatewayConfig
+from services.environment import ConfigError
 from services.startup import freeze_after_startup
 from services.tokenization.tokenizer import Tokenizer
 from services.transport import redis_streams
@@ -52,6 +54,12 @@ class Gateway:
         self.gateway_id = config.gateway_id or default_gateway_id()
         self.started_at = time.time()
         self.default_model_name = config.model_name or tokenizer.name
+        try:  # the tool flags against this tokenizer, once
+            self.tool_settings = ToolSettings.of(
+                config.tool_call_parser, config.enable_auto_tool_choice, tokenizer
+            )
+        except ConfigProblem as exc:
+            raise ConfigError(str(exc)) from None
         self.registry = new_registry()
         self.metrics = GatewayMetrics(self.registry, self.default_model_name)
         # Which replica gets each request; its first replica's keys are the gateway's own.

@@ -149,9 +149,16 @@ CHAT_FIELDS: dict[str, FieldSupport] = {
         "Chat template is passed with request, but --trust-request-chat-template is not set. "
         "Refused request with untrusted chat template."
     ),
-    "tools": refused("tool calling is not served"),
-    "tool_choice": refused("tool calling is not served", "none"),
-    "parallel_tool_calls": works("accepted; only meaningful with tools, which are refused"),
+    "tools": works(
+        "function tools, given to the chat template as `tools`; calls are read back by "
+        "--tool-call-parser (hermes, llama3_json or mistral)"
+    ),
+    "tool_choice": works(
+        "none (tools reach the template, the answer is content), auto (the default with tools; "
+        "needs --enable-auto-tool-choice), required or a named function (the output is "
+        "constrained to the tools' JSON schema); all but none need --tool-call-parser"
+    ),
+    "parallel_tool_calls": works("false keeps the first tool call only"),
     "include_reasoning": refused("no reasoning parser is served", True),
     "top_logprobs": works("k <= 20 most likely tokens per position (with logprobs: true)"),
     "media_io_kwargs": refused("multimodal input is not served", {}),
@@ -169,7 +176,7 @@ TOKENIZE_FIELDS: dict[str, FieldSupport] = {
     "chat_template_kwargs": works("chat form: extra template variables"),
     "return_token_strs": works("also return each token's string"),
     "chat_template": CHAT_FIELDS["chat_template"],
-    "tools": refused("tool calling is not served", []),
+    "tools": works("chat form: given to the chat template as `tools`"),
     "media_io_kwargs": CHAT_FIELDS["media_io_kwargs"],
     "mm_processor_kwargs": CHAT_FIELDS["mm_processor_kwargs"],
 }

@@ -16,6 +16,7 @@ from gateway.openapi import openapi_document
 from gateway.protocol import parse_json
 from gateway.state import Gateway
 from gateway.support import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
+from gateway.tools import read_tools
 from services.tokenization.tokenizer import ChatTemplateError
 
 # vLLM's TokenizeChatRequest: fields only the chat form takes.
@@ -132,7 +133,8 @@ def _tokenize(gw: Gateway, body: dict[str, Any]) -> list[int]:
         return gw.tokenizer.encode(prompt, add_special_tokens=add_special)
     if "messages" not in body:
         raise bad_request("/tokenize needs 'prompt' (text) or 'messages' (chat)", "prompt")
-    chat = read_chat_prompt(body)
+    tools = read_tools({"tools": body.get("tools"), "tool_choice": "none"}, gw.tool_settings)
+    chat = read_chat_prompt(body, tools.tools if tools is not None else None)
     try:
         return gw.tokenizer.apply_chat_template(chat.messages, chat.options)
     except ChatTemplateError as exc:

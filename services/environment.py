@@ -25,6 +25,8 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_HOST": "gateway bind address (default 127.0.0.1)",
     "KVLEDGER_PORT": "gateway port (default 8000)",
     "KVLEDGER_MODEL": "model folder (Hugging Face layout) or 'default' for the seeded tiny Llama",
+    "KVLEDGER_ENABLE_AUTO_TOOL_CHOICE": "gateway: let the model call tools by itself (tool_choice auto), 1 or 0 (default 0); needs KVLEDGER_TOOL_CALL_PARSER",
+    "KVLEDGER_TOOL_CALL_PARSER": "gateway: how tool calls are read from the model's output: hermes, llama3_json or mistral (default none: tools only with tool_choice none)",
     "KVLEDGER_MODEL_NAME": "name served on /v1/models (default: the folder name, or kvledger-tiny-llama)",
     "KVLEDGER_DEVICE": "worker device: auto, cpu or cuda (default auto)",
     "KVLEDGER_DTYPE": "worker dtype: auto, float32, float16, bfloat16 (default auto)",
