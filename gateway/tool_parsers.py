@@ -278,6 +278,8 @@ class Llama3JsonParser(ToolParser):
         return Parsed(None, calls) if calls else Parsed(text)
 
     def scan(self, text: str) -> Parsed:
+        if self.BOT.startswith(text):
+            return Parsed("")  # nothing yet, or what may be the marker's start
         if not (text.startswith(self.BOT) or text.startswith("{")):
             return Parsed(text)  # vLLM streams anything else as content
         pos = len(self.BOT) if text.startswith(self.BOT) else 0
