@@ -331,7 +331,8 @@ class MistralParser(ToolParser):
                 name, arguments = self._name_and_arguments(segment, final=True)
                 if name is not None:
                     calls.append(ParsedCall(name, arguments))
-            return Parsed(content, calls) if calls else Parsed(text)
+            # vLLM's engine strips the content beside calls (whole answers only).
+            return Parsed(before.strip() or None, calls) if calls else Parsed(text)
         listed = next((s.strip() for s in segments if s.strip()), "")
         try:
             value, _ = json.JSONDecoder().raw_decode(listed)

@@ -24,10 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import traceback
 from collections.abc import AsyncIterator
 from typing import Any
+
+# tool_choice "required" and named read as JSON (the tools' schema constrains the output), as
+# kvledger does; vLLM's default constrains hermes and llama3_json calls with structural tags
+# in their own format instead (set before vLLM's tool parsers are imported).
+os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
 
 from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
