@@ -231,6 +231,18 @@ async def test_tool_calls_equal_vllms_parsers(
             differences.append(f"{name}:\n  ours {mine}\n  vllm {theirs}")
         assert mine["calls"], f"{name} was meant to call a tool"
     assert differences == [], "\n".join(differences)
+    # vLLM's protocol models parse every answer and chunk, tool calls included, and declare
+    # every key they hold.
+    chat = "vllm.entrypoints.openai.chat_completion.protocol"
+    checks = [
+        {"name": f"{name}[{i}]", "body": body,
+         "model": f"{chat}:ChatCompletion{'StreamResponse' if 'stream' in name else 'Response'}"}
+        for name, bodies in ours.items() for i, body in enumerate(bodies) if body != "[DONE]"
+    ]  # fmt: skip
+    parsed = run_driver(vllm_python, "api_protocol_driver", {"cases": checks}, tmp_path)
+    problems = [f"{r['name']}: {r['error'] or r['undeclared']}" for r in parsed["results"]
+                if r["error"] or r["undeclared"]]  # fmt: skip
+    assert problems == [], "\n".join(problems)
 
 
 def _tool_case(name, body, prompt_ids, ids, tokenizer, parser, folder) -> dict[str, Any]:
