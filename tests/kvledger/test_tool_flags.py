@@ -35,5 +35,5 @@ def test_the_environment_sets_them_and_a_bad_parser_names_the_flag(monkeypatch):
     monkeypatch.setenv("KVLEDGER_TOOL_CALL_PARSER", "Mistral")
     cfg = gateway_config()
     assert (cfg.enable_auto_tool_choice, cfg.tool_call_parser) == (True, "mistral")
-    with pytest.raises(ConfigError, match="--tool-call-parser.*hermes, llama3_json, mistral"):
+    with pytest.raises(ConfigError, match=r"--tool-call-parser.*hermes, llama3_json, mistral"):
         gateway_config("--tool-call-parser", "pythonic")
