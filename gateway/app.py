@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from gateway.bodies import error_body
 from gateway.fields import ApiError
 from gateway.generate import chat_completions, completions
+from gateway.responses_api import add_responses_routes
 from gateway.state import GATEWAY, Gateway
 from gateway.utility import add_utility_routes, model_body
 from observability import (
@@ -84,6 +85,7 @@ def create_app(
     app.on_shutdown.append(on_shutdown)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_responses_routes(app)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -67,7 +67,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.StreamResponse:
     arrival = time.monotonic()
-    body = parse_json(await _read_body(request, gw.config.body_timeout_s))
+    body = parse_json(await read_body(request, gw.config.body_timeout_s))
     jobs = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
     async with gw.admit():
         limits = gw.limits(await gw.wait_for_ledger())
@@ -77,7 +77,7 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
         gens: list[Generation] = []
         for job in children:
             response_id = gens[0].response_id if gens else None
-            gens.append(Generation(gw, job, lambda: _client_gone(request), arrival, response_id))
+            gens.append(Generation(gw, job, lambda: client_gone(request), arrival, response_id))
         try:
             async with contextlib.AsyncExitStack() as stack:
                 for gen in gens:
@@ -90,7 +90,7 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
             span.set_attributes(gens[0].span_attributes(total_usage(gens)))
 
 
-async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body within timeout_s: a client trickling it would hold a slot forever."""
     try:
         async with asyncio.timeout(timeout_s):
@@ -110,6 +110,6 @@ def _parse(gw: Gateway, kind: str, body: dict[str, Any]) -> list[Job]:
     return parse_completion(body, gw.tokenizer, gw.config.default_max_tokens)
 
 
-def _client_gone(request: web.Request) -> bool:
+def client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()

@@ -95,6 +95,7 @@ class Job:
     prompt_index: int = 0  # which prompt of a batch (completions)
     structured: StructuredOutput | None = None  # response_format / structured_outputs, compiled
     tools: ToolRequest | None = None  # chat's tools and tool_choice
+    cap_max_tokens: bool = False  # a max_tokens past the context is capped (Responses), not refused
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -166,7 +167,7 @@ def parse_completion(
         )
     if echo_only or max_tokens is None:
         max_tokens = 1 if echo_only else default_max_tokens
-    job = _job(body, "completion", prompts[0][0], "prompt", max_tokens, tokenizer)
+    job = job_from_body(body, "completion", prompts[0][0], "prompt", max_tokens, tokenizer)
     best_of = read_best_of(body, job.n, job.stream)
     check_num_sequences(len(prompts), job.n, best_of)
     job = dataclasses.replace(
@@ -207,7 +208,9 @@ def parse_chat(
     param = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    job = _job(body, "chat", prompt_ids, "messages", read_int(body, param, lo=1), tokenizer)
+    job = job_from_body(
+        body, "chat", prompt_ids, "messages", read_int(body, param, lo=1), tokenizer
+    )
     job = dataclasses.replace(
         job,
         max_tokens_param=param,
@@ -227,7 +230,7 @@ def parse_chat(
     return job
 
 
-def _job(
+def job_from_body(
     body: dict[str, Any],
     kind: str,
     prompt_ids: list[int],
@@ -311,6 +314,8 @@ def resolve(job: Job, limits: Limits) -> Job:
             job.prompt_param,
         )
     max_tokens = job.max_tokens if job.max_tokens is not None else limits.max_model_len - num_prompt
+    if job.cap_max_tokens:
+        max_tokens = min(max_tokens, limits.max_model_len - num_prompt)
     if num_prompt + max_tokens > limits.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, you "

@@ -86,8 +86,12 @@ class ToolRequest:
         return self.choice in ("required", "named")
 
 
-def read_tools(body: dict[str, Any], settings: ToolSettings) -> ToolRequest | None:
-    """The request's tools (None without any), refused with vLLM's messages."""
+def read_tools(
+    body: dict[str, Any], settings: ToolSettings, refuse_unread: bool = True
+) -> ToolRequest | None:
+    """The request's tools (None without any), refused with vLLM's messages. A choice the flags
+    cannot read is refused as vLLM's chat endpoint does (`refuse_unread`), or answered as plain
+    content as its Responses endpoint does."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None:
         parallel = read_bool(body, "parallel_tool_calls")
@@ -110,7 +114,8 @@ def read_tools(body: dict[str, Any], settings: ToolSettings) -> ToolRequest | No
     choice, function = _choice("auto" if choice_value is None else choice_value, names)
     if choice == "none":
         return ToolRequest(template_tools, choice, parallel=parallel)
-    _check_flags(choice, function, settings)
+    if refuse_unread:
+        _check_flags(choice, function, settings)
     if choice == "named" and _has_constraint(body):
         raise bad_request(
             "You can only either use constraints for structured outputs or tools, not both.",

@@ -340,6 +340,20 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
         "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
         _bool,
     )
+    enable_responses_store: bool = _opt(
+        "KVLEDGER_ENABLE_RESPONSES_STORE",
+        False,
+        "keep /v1/responses answers in Redis (store, previous_response_id, GET "
+        "/v1/responses/{id}), as vLLM's VLLM_ENABLE_RESPONSES_API_STORE but shared by every "
+        "gateway",
+        _bool,
+    )
+    responses_store_ttl_s: float = _opt(
+        "KVLEDGER_RESPONSES_STORE_TTL_S",
+        86400.0,
+        "seconds a stored response lives in Redis",
+        float,
+    )
     tool_call_parser: str | None = _opt(
         "KVLEDGER_TOOL_CALL_PARSER",
         None,

@@ -26,6 +26,8 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_PORT": "gateway port (default 8000)",
     "KVLEDGER_MODEL": "model folder (Hugging Face layout) or 'default' for the seeded tiny Llama",
     "KVLEDGER_ENABLE_AUTO_TOOL_CHOICE": "gateway: let the model call tools by itself (tool_choice auto), 1 or 0 (default 0); needs KVLEDGER_TOOL_CALL_PARSER",
+    "KVLEDGER_ENABLE_RESPONSES_STORE": "gateway: keep /v1/responses answers in Redis for store and previous_response_id, 1 or 0 (default 0)",
+    "KVLEDGER_RESPONSES_STORE_TTL_S": "gateway: seconds a stored response lives in Redis (default 86400)",
     "KVLEDGER_TOOL_CALL_PARSER": "gateway: how tool calls are read from the model's output: hermes, llama3_json or mistral (default none: tools only with tool_choice none)",
     "KVLEDGER_MODEL_NAME": "name served on /v1/models (default: the folder name, or kvledger-tiny-llama)",
     "KVLEDGER_DEVICE": "worker device: auto, cpu or cuda (default auto)",

@@ -8,7 +8,8 @@ the generators read are set, as `vllm serve` sets them by default, plus
 --enable-auto-tool-choice --tool-call-parser NAME with the case's tokenizer folder.
 
 Usage: python vllm_serving_driver.py IN.json OUT.json, where IN is {"cases": [case, ...]} and a
-case is {"name", "kind": "completion" | "chat", "request": the body sent, "prompt": its text,
+case is {"name", "kind": "completion" | "chat" | "responses", "request": the body sent,
+"prompt": its text, "default_max_tokens" (responses: what the context leaves),
 "prompt_token_ids", "prompt_logprobs" (None or vLLM's list: None first, then
 {token id: {"logprob", "rank", "decoded_token"}} per position), "num_cached_tokens",
 "steps": [{"index", "text", "token_ids",
@@ -160,6 +161,8 @@ def tokenizer_of(case: dict[str, Any]) -> Any:
 async def answer(case: dict[str, Any]) -> list[dict[str, Any]]:
     body, meta = case["request"], RequestResponseMetadata(request_id="req")
     tokenizer = tokenizer_of(case)
+    if case["kind"] == "responses":
+        return await responses(case)
     if case["kind"] == "completion":
         request = CompletionRequest.model_validate(body)
         server = serving(OpenAIServingCompletion)
@@ -197,6 +200,47 @@ async def answer(case: dict[str, Any]) -> list[dict[str, Any]]:
         request, deltas(case), "chatcmpl-req", MODEL, conversation, tokenizer, meta
     )
     return [event async for event in events(stream)]
+
+
+async def responses(case: dict[str, Any]) -> list[Any]:
+    """vLLM's Responses API for a generate model (its SimpleContext): the whole response, or
+    every stream event, for the case's engine outputs."""
+    from vllm.entrypoints.openai.responses.context import SimpleContext
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    body = case["request"]
+    request = ResponsesRequest.model_validate(body)
+    request.store = False  # vLLM's default: store silently off (kvledger's store is in Redis)
+    tokenizer = tokenizer_of(case)
+    server = serving(OpenAIServingResponses, use_harmony=False, tool_server=None,
+                     enable_store=False, enable_auto_tools=bool(case.get("tool_parser")),
+                     parser=chat_server(case).parser_cls)  # fmt: skip
+    sampling = request.to_sampling_params(case["default_max_tokens"], {})
+    parser = None
+    if server.parser is not None:
+        parser = server.parser(tokenizer, request.tools, chat_template_kwargs={})
+    context = SimpleContext(response_parser=parser)
+    meta = RequestResponseMetadata(request_id="req")
+
+    async def outputs() -> AsyncIterator[Any]:
+        if body.get("stream"):
+            async for res in deltas(case):
+                context.append_output(res)
+                yield context
+        else:
+            context.append_output(joined(case))
+            yield context
+
+    if not body.get("stream"):
+        response = await server.responses_full_generator(
+            request, sampling, outputs(), context, MODEL, tokenizer, meta, created_time=0
+        )
+        return [json.loads(response.model_dump_json(by_alias=True))]
+    stream = server.responses_stream_generator(
+        request, sampling, outputs(), context, MODEL, tokenizer, meta, created_time=0
+    )
+    return [json.loads(event.model_dump_json(by_alias=True)) async for event in stream]
 
 
 async def events(stream: AsyncIterator[str]) -> AsyncIterator[Any]:
