@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway import tools
 from gateway.bodies import (
     SSE_DONE,
     Meta,
@@ -73,6 +74,13 @@ def _mean_logprob(gen: Generation) -> float:
 
 def _final(gen: Generation, meta: Meta, text: str) -> dict[str, Any]:
     job, tracker = gen.job, gen.tracker
+    content: str | None = "" if job.echo_only else text
+    finish, tool_calls = gen.finish_reason, []
+    if job.tools is not None and finish is not None:
+        read = tools.answer(job.tools, gen.gw.tool_settings, text, finish)
+        content, tool_calls, finish = read.content, read.tool_calls, read.finish_reason
+    if job.echo_text:
+        content = job.echo_text + (content or "")
     token_ids = (job.prompt_token_ids, tracker.token_ids) if job.return_token_ids else None
     shown = LogprobsFormatter(gen.gw.tokenizer, job.logprobs)
     prompt_logprobs = None
@@ -80,8 +88,8 @@ def _final(gen: Generation, meta: Meta, text: str) -> dict[str, Any]:
         prompt_logprobs = shown.prompt_logprobs(tracker.prompt_logprobs)
     return final_body(
         meta,
-        (job.echo_text or "") + text,
-        gen.finish_reason,
+        content,
+        finish,
         gen.stop_reason,
         gen.usage(),
         token_ids,
@@ -89,6 +97,7 @@ def _final(gen: Generation, meta: Meta, text: str) -> dict[str, Any]:
         prompt_text=job.prompt_text,
         logprobs=_logprobs(gen, shown, tracker.token_ids, tracker.logprobs, echo=True),
         prompt_logprobs=prompt_logprobs,
+        tool_calls=tool_calls,
     )
 
 
@@ -107,6 +116,8 @@ def _logprobs(
         return shown.chat(token_ids, entries)
     if echo and gen.job.echo_text is not None:
         prompt: list[TokenLogprobs | None] = [None, *(gen.tracker.prompt_logprobs or [])]
+        if gen.job.echo_only:  # scoring: the prompt's logprobs, not the sampled token's
+            return shown.completion(gen.job.prompt_token_ids, prompt, text_offset)
         return shown.completion(
             [*gen.job.prompt_token_ids, *token_ids], [*prompt, *entries], text_offset
         )
@@ -176,15 +187,22 @@ class _ChoiceStream:
     def __init__(self, gen: Generation, meta: Meta, index: int) -> None:
         self.gen, self.meta, self.index = gen, meta, index
         job = gen.job
-        self.prompt_ids = job.prompt_token_ids if job.return_token_ids else None
+        # vLLM's completions stream the prompt's ids with its echo too, asked for or not.
+        echoed = job.kind == "completion" and job.echo_text is not None
+        self.prompt_ids = job.prompt_token_ids if job.return_token_ids or echoed else None
         self.echo = job.echo_text or ""
+        self.echoing = job.echo_text is not None  # until the first chunk has gone
         self.pending = Delta("")
         self.sent_any = False
         self.shown = LogprobsFormatter(gen.gw.tokenizer, job.logprobs)
         self.text_offset = 0
+        self.tools = None  # chat with tool calls read from the output
+        if job.kind == "chat" and job.tools is not None:
+            self.tools = tools.tool_stream(job.tools, gen.gw.tool_settings)
 
     def opening(self) -> list[dict[str, Any]]:
-        """Chat's role chunk (and vLLM's separate echo chunk) before any token."""
+        """Chat's role chunk (and vLLM's separate echo chunk) before any token; under
+        continuous usage both carry the prompt's usage with 0 completion tokens, as vLLM's."""
         job = self.gen.job
         if self.meta.kind != "chat":
             return []
@@ -196,7 +214,10 @@ class _ChoiceStream:
         bodies = [first]
         if self.echo:
             bodies.append(chunk_body(self.meta, self.echo, index=self.index))
-        self.prompt_ids, self.echo = None, ""
+        if job.continuous_usage:
+            for body in bodies:
+                body["usage"] = Usage(len(job.prompt_token_ids), 0, 0).counts()
+        self.prompt_ids, self.echo, self.echoing = None, "", False
         return bodies
 
     def push(self, delta: Delta) -> dict[str, Any] | None:
@@ -211,25 +232,35 @@ class _ChoiceStream:
         ready = not self.sent_any or len(pending.token_ids) >= job.stream_interval
         if not ready and delta.finish_reason is None:
             return None
-        if not (pending.text or pending.finish_reason or job.return_token_ids or self.echo):
+        if not (pending.text or pending.finish_reason or job.return_token_ids or self.echoing):
             return None  # a token whose character is not complete yet
         logprobs = _logprobs(
-            gen, self.shown, pending.token_ids, pending.logprobs, bool(self.echo), self.text_offset
+            gen, self.shown, pending.token_ids, pending.logprobs, self.echoing, self.text_offset
         )
         if logprobs is not None and logprobs.get("tokens"):
             self.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        text: str | None = self.echo + ("" if job.echo_only else pending.text)
+        finish, calls = pending.finish_reason, None
+        if self.tools is not None:
+            text, calls = self.tools.push(pending.text)
+            if finish is not None:
+                finish = tools.finish_reason(job.tools, finish, self.tools.called)
+            if not (text or calls or finish or job.return_token_ids or logprobs):
+                self.pending = Delta("")  # the parser holds it back (a tag, a name not done)
+                return None
         body = chunk_body(
             self.meta,
-            self.echo + pending.text,
-            pending.finish_reason,
-            gen.stop_reason if pending.finish_reason else None,
+            text,
+            finish,
+            gen.stop_reason if finish else None,
             pending.token_ids if job.return_token_ids else None,
             self.prompt_ids,
             logprobs=logprobs,
             index=self.index,
+            tool_calls=calls,
         )
         if job.continuous_usage:
-            body["usage"] = gen.usage().body()
-        self.prompt_ids, self.echo, self.sent_any = None, "", True
+            body["usage"] = gen.usage().counts()
+        self.prompt_ids, self.echo, self.echoing, self.sent_any = None, "", False, True
         self.pending = Delta("")
         return body

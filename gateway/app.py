@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from gateway.bodies import error_body
 from gateway.fields import ApiError
 from gateway.generate import chat_completions, completions
+from gateway.responses_api import add_responses_routes
 from gateway.state import GATEWAY, Gateway
 from gateway.utility import add_utility_routes, model_body
 from observability import (
@@ -85,6 +86,7 @@ def create_app(
     app.on_shutdown.append(on_shutdown)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_responses_routes(app)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -181,12 +183,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except RedisError as exc:
         log.error("redis_unreachable", path=request.path, error=str(exc))
         message = f"the gateway cannot reach Redis ({type(exc).__name__}); retry shortly"
-        return _error_response(ApiError(503, message, err_type="service_unavailable_error"))
+        return _error_response(ApiError(503, message))
     except Exception:
         log.exception("request_crashed", path=request.path)
-        return _error_response(
-            ApiError(500, "internal error in the gateway", err_type="server_error")
-        )
+        return _error_response(ApiError(500, "internal error in the gateway"))
 
 
 def _auth(api_key: str | None) -> Middleware:
@@ -197,7 +197,6 @@ def _auth(api_key: str | None) -> Middleware:
                 401,
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
                 "the key the gateway was given in KVLEDGER_API_KEY",
-                err_type="authentication_error",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return await handler(request)
@@ -223,9 +222,7 @@ def _error_response(exc: ApiError) -> web.Response:
 
 def _from_http(exc: web.HTTPException, request: web.Request) -> ApiError:
     if exc.status == 404:
-        return ApiError(
-            404, f"no route {request.method} {request.path}", err_type="not_found_error"
-        )
+        return ApiError(404, f"no route {request.method} {request.path}")
     if exc.status == 405:
         allowed = exc.headers.get("Allow", "")
         message = f"method {request.method} is not allowed on {request.path}; use {allowed}"

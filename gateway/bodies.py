@@ -35,11 +35,14 @@ class Usage:
         )
 
     def body(self) -> dict[str, Any]:
+        return self.counts() | {"prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def counts(self) -> dict[str, int]:
+        """The usage of a chunk under continuous_usage_stats: vLLM sends no details there."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -50,7 +53,7 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None)
 
 def final_body(
     meta: Meta,
-    text: str,
+    text: str | None,
     finish_reason: str | None,
     stop_reason: str | int | None,
     usage: Usage,
@@ -59,11 +62,15 @@ def final_body(
     prompt_text: str | None = None,
     logprobs: dict[str, Any] | None = None,
     prompt_logprobs: list[Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streaming) response; `token_ids` is (prompt ids, generated ids) when asked.
     vLLM puts `prompt_logprobs` in the choice for completions, beside `choices` for chat."""
     if meta.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": role, "content": text}}
+        message: dict[str, Any] = {"role": role, "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice: dict[str, Any] = {"index": 0, "message": message}
     else:
         choice = {"index": 0, "text": text}
     choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
@@ -91,7 +98,7 @@ def combined_body(bodies: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
 
 def chunk_body(
     meta: Meta,
-    text: str,
+    text: str | None,
     finish_reason: str | None = None,
     stop_reason: str | int | None = None,
     token_ids: list[int] | None = None,
@@ -99,12 +106,16 @@ def chunk_body(
     role: str | None = None,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One streamed piece of choice `index`; chat's first chunk carries the role."""
+    """One streamed piece of choice `index`; chat's first chunk carries the role. A chat delta
+    holds the text ("" included; None: no content key) and any tool-call deltas."""
     if meta.kind == "chat":
-        delta: dict[str, Any] = {"role": role, "content": text} if role else {}
-        if text and not role:
+        delta: dict[str, Any] = {"role": role} if role else {}
+        if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text}

@@ -1,9 +1,11 @@
-"""Chat requests, pure: the messages (text only) and how they become a prompt (vLLM's chat
-template fields), the role of the answer, and what `echo` prepends to it.
+"""Chat requests, pure: the messages (text, and the tool calls and results of a conversation
+with tools) and how they become a prompt (vLLM's chat template fields, the request's tools),
+the role of the answer, and what `echo` prepends to it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,7 @@ class ChatPrompt:
     echo_text: str  # prepended to the answer when `echo` is set
 
 
-def read_chat_prompt(body: dict[str, Any]) -> ChatPrompt:
+def read_chat_prompt(body: dict[str, Any], tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
     messages = _messages(body.get("messages"))
     add_generation_prompt = read_bool(body, "add_generation_prompt", default=True)
     continue_final = read_bool(body, "continue_final_message")
@@ -38,6 +40,7 @@ def read_chat_prompt(body: dict[str, Any]) -> ChatPrompt:
         continue_final_message=continue_final,
         add_special_tokens=read_bool(body, "add_special_tokens"),
         template_kwargs=kwargs,
+        tools=tools,
     )
     # vLLM's get_chat_request_role: without a generation prompt the answer continues the last
     # message, in that message's role.
@@ -105,7 +108,17 @@ def _message(message: Any, where: str) -> dict[str, Any]:
             f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {short(role)}",
             f"{where}.role",
         )
-    out = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+    out: dict[str, Any] = {
+        "role": role, "content": _content(message.get("content"), f"{where}.content")
+    }  # fmt: skip
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if calls:  # vLLM drops an empty list: the template takes the plain assistant path
+            out["tool_calls"] = calls
+    if role == "tool" and message.get("tool_call_id") is not None:
+        if not isinstance(message["tool_call_id"], str):
+            raise bad_request(f"'{where}.tool_call_id' must be a string", f"{where}.tool_call_id")
+        out["tool_call_id"] = message["tool_call_id"]
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
@@ -113,6 +126,45 @@ def _message(message: Any, where: str) -> dict[str, Any]:
                 f"'{where}.name' must be a string, got {type_name(name)}", f"{where}.name"
             )
         out["name"] = name
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, as templates take them: arguments as an object (a
+    string that is not a JSON object becomes {}, as vLLM does, so the conversation goes on)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}' must be a list of tool calls", where)
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{where}[{i}]"
+        if not isinstance(call, dict):
+            raise bad_request("assistant tool_calls entries must be objects.", at)
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise bad_request(
+                "chat completions only support assistant tool_calls of type 'function'.", at
+            )
+        name = function.get("name")
+        if not isinstance(name, str):
+            raise bad_request(f"'{at}.function.name' must be a string", f"{at}.function.name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except ValueError:
+                arguments = {}
+        shown: dict[str, Any] = {
+            "type": "function",
+            "function": {
+                "name": name,
+                "arguments": arguments if isinstance(arguments, dict) else {},
+            },
+        }
+        if call.get("id") is not None:
+            if not isinstance(call["id"], str):
+                raise bad_request(f"'{at}.id' must be a string", f"{at}.id")
+            shown["id"] = call["id"]
+        out.append(shown)
     return out
 
 

@@ -6,6 +6,7 @@ cannot honour instead of ignoring them.
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Any, cast
 
 from ledger.hashing import cache_salt_problem
@@ -14,22 +15,45 @@ MAX_STOP_STRINGS = 4
 INT64_MIN, INT64_MAX, UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1  # what msgpack carries
 
 
+# vLLM 0.33's `error.type` by status: the names its create_error_response gives, and for the
+# other statuses the HTTP phrase, as its HTTPException handler writes it.
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type(status: int) -> str:
+    """What vLLM 0.33 puts in `error.type` for an error of this HTTP status."""
+    if status in ERROR_TYPES:
+        return ERROR_TYPES[status]
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:  # a status the standard does not name (nginx's 499)
+        return "BadRequestError" if status < 500 else "InternalServerError"
+
+
 class ApiError(Exception):
-    """An error the client gets as an OpenAI-style JSON body with this HTTP status."""
+    """An error the client gets as an OpenAI-style JSON body with this HTTP status; its type is
+    vLLM's for the status unless given."""
 
     def __init__(
         self,
         status: int,
         message: str,
         param: str | None = None,
-        err_type: str = "invalid_request_error",
+        err_type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.err_type = err_type
+        self.err_type = err_type or error_type(status)
         self.headers = headers or {}
 
 
@@ -106,8 +130,9 @@ def read_stop(value: Any) -> list[str]:
 
 
 def read_stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
-    """(include_usage, continuous_usage_stats) of `stream_options` (its fields checked first by
-    `support.check_fields`)."""
+    """(include_usage, continuous usage) of `stream_options` (its fields checked first by
+    `support.check_fields`): as vLLM 0.33, continuous_usage_stats counts only with
+    include_usage."""
     if options is None:
         return False, False
     if not stream:
@@ -116,10 +141,11 @@ def read_stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
         )
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    return (
-        read_bool(options, "include_usage", param="stream_options.include_usage"),
-        read_bool(options, "continuous_usage_stats", param="stream_options.continuous_usage_stats"),
+    include_usage = read_bool(options, "include_usage", param="stream_options.include_usage")
+    continuous = read_bool(
+        options, "continuous_usage_stats", param="stream_options.continuous_usage_stats"
     )
+    return include_usage, include_usage and continuous
 
 
 def read_cache_salt(value: Any) -> str | None:
@@ -134,6 +160,11 @@ def read_str(body: dict[str, Any], name: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise bad_request(f"'{name}' must be a string, got {type_name(value)}", name)
     return value
+
+
+def unknown_model(model: str, served: str) -> ApiError:
+    """vLLM 0.33's answer to a model it does not serve, the same on every route."""
+    return ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served}.", "model")
 
 
 def read_model(value: Any) -> str | None:

@@ -99,7 +99,7 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
                 for job in children:
                     response_id = gens[0].response_id if gens else None
                     gens.append(
-                        Generation(gw, job, lambda: _client_gone(request), arrival, response_id)
+                        Generation(gw, job, lambda: client_gone(request), arrival, response_id)
                     )
                 async with contextlib.AsyncExitStack() as stack:
                     fan = FanOut(gens, stack)
@@ -135,17 +135,16 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         raise ApiError(
             408,
             f"the request body did not arrive within {timeout_s:g}s (--body-timeout-s)",
-            err_type="timeout_error",
             headers={"Connection": "close"},
         ) from None
 
 
 def _parse(gw: Gateway, kind: str, body: dict[str, Any]) -> list[Job]:
     if kind == "chat":
-        return [parse_chat(body, gw.tokenizer)]
+        return [parse_chat(body, gw.tokenizer, gw.tool_settings)]
     return parse_completion(body, gw.tokenizer, gw.config.default_max_tokens)
 
 
-def _client_gone(request: web.Request) -> bool:
+def client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()

@@ -42,11 +42,10 @@ class GenerationError(ApiError):
         self,
         status: int,
         message: str,
-        err_type: str,
         abort_reason: str | None,
         headers: dict[str, str] | None = None,
     ):
-        super().__init__(status, message, err_type=err_type, headers=headers)
+        super().__init__(status, message, headers=headers)
         self.abort_reason = abort_reason
 
 
@@ -226,7 +225,7 @@ class Generation:
             self.finish_reason = "error"
             raise GenerationError(
                 500, "the ledger returned tokens without the logprobs the request asked for",
-                "server_error", "gateway_error",
+                "gateway_error",
             )  # fmt: skip
         return tracker.logprobs[start:] if wanted else []
 
@@ -261,19 +260,17 @@ class Generation:
                 try:
                     await self.gw.check_progress(waiting_since)
                 except ApiError as exc:
-                    raise GenerationError(
-                        exc.status, exc.message, exc.err_type, "stalled"
-                    ) from None
+                    raise GenerationError(exc.status, exc.message, "stalled") from None
                 continue
             if item is SHUTDOWN:
                 raise GenerationError(
                     503, "the gateway is shutting down; the request was aborted",
-                    "service_unavailable_error", "gateway_shutdown",
+                    "gateway_shutdown",
                 )  # fmt: skip
             return item
         raise GenerationError(
             504, f"no output from the ledger for {timeout_s:g}s; the request was aborted",
-            "timeout_error", "timeout",
+            "timeout",
         )  # fmt: skip
 
     @property
@@ -309,10 +306,7 @@ def ledger_failure(detail: str, unavailable: bool = False) -> GenerationError:
     rest a 500."""
     message = f"the ledger failed the request: {detail}"
     if unavailable:
-        return GenerationError(
-            503, message, "service_unavailable_error", None,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )  # fmt: skip
+        return GenerationError(503, message, None, headers={"Retry-After": str(RETRY_AFTER_S)})
     if detail.startswith(LEDGER_FIELD_PREFIX) or detail.startswith(WORKER_FAILED_PREFIX):
-        return GenerationError(400, message, "invalid_request_error", None)
-    return GenerationError(500, message, "server_error", None)
+        return GenerationError(400, message, None)
+    return GenerationError(500, message, None)

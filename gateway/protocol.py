@@ -15,7 +15,6 @@ from gateway.chat import RESPONSE_ROLE, read_chat_prompt
 from gateway.fields import (
     INT64_MAX,
     INT64_MIN,
-    ApiError,
     bad_request,
     read_bool,
     read_cache_salt,
@@ -26,12 +25,14 @@ from gateway.fields import (
     read_str,
     read_stream_options,
     read_token_ids,
+    unknown_model,
 )
 from gateway.logits_fields import LogitsFields, read_logits_fields
 from gateway.logprobs import LogprobFields, read_chat_logprobs, read_completion_logprobs
 from gateway.prompts import check_num_sequences, read_best_of, read_n, read_prompts
 from gateway.structured import read_structured
 from gateway.support import CHAT_FIELDS, COMPLETION_FIELDS, STREAM_OPTIONS_FIELDS, check_fields
+from gateway.tools import ToolRequest, ToolSettings, read_tools, tool_constraint
 from services.tokenization.tokenizer import ChatTemplateError, Tokenizer
 from services.wire.messages import (
     SamplingParams,
@@ -81,6 +82,7 @@ class Job:
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
     echo_text: str | None = None  # shown before the output (echo); None: no echo
+    echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone is answered
     role: str = RESPONSE_ROLE  # chat: the answer's role
     prompt_text: str | None = None  # chat's return_prompt_text: the rendered prompt
     request_id: str | None = None  # the client's id (response id cmpl-<request_id>)
@@ -92,6 +94,8 @@ class Job:
     best_of: int | None = None  # completions: samples drawn per prompt, the best n returned
     prompt_index: int = 0  # which prompt of a batch (completions)
     structured: StructuredOutput | None = None  # response_format / structured_outputs, compiled
+    tools: ToolRequest | None = None  # chat's tools and tool_choice
+    cap_max_tokens: bool = False  # a max_tokens past the context is capped (Responses), not refused
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -151,26 +155,46 @@ def parse_completion(
         raise bad_request("'prompt' is required", "prompt")
     add_special = read_bool(body, "add_special_tokens", default=True)
     prompts = read_prompts(body["prompt"], tokenizer, add_special)
-    max_tokens = read_int(body, "max_tokens", lo=1)
-    first_ids = prompts[0][0]
-    job = _job(body, "completion", first_ids, "prompt", max_tokens or default_max_tokens, tokenizer)
     echo = read_bool(body, "echo")
+    max_tokens = read_int(body, "max_tokens", lo=0)
+    # Prompt scoring: echo with max_tokens 0 answers the prompt alone (with its logprobs). As
+    # vLLM, the ledger samples one token, which the answer leaves out of text and logprobs.
+    echo_only = echo and max_tokens == 0
+    if max_tokens == 0 and not echo:
+        raise bad_request(
+            "'max_tokens' must be >= 1, got 0 (0 is for scoring a prompt: with 'echo': true)",
+            "max_tokens",
+        )
+    if echo_only or max_tokens is None:
+        max_tokens = 1 if echo_only else default_max_tokens
+    job = job_from_body(body, "completion", prompts[0][0], "prompt", max_tokens, tokenizer)
     best_of = read_best_of(body, job.n, job.stream)
     check_num_sequences(len(prompts), job.n, best_of)
     job = dataclasses.replace(
-        job, logprobs=read_completion_logprobs(body, echo, job.stream), best_of=best_of
+        job,
+        logprobs=read_completion_logprobs(body, echo, job.stream),
+        best_of=best_of,
+        echo_only=echo_only,
     )
+    # vLLM echoes no text when it returns token ids: the prompt_token_ids say it.
     return [
         dataclasses.replace(
-            job, prompt_token_ids=ids, echo_text=text if echo else None, prompt_index=i
+            job,
+            prompt_token_ids=ids,
+            echo_text=("" if job.return_token_ids else text) if echo else None,
+            prompt_index=i,
         )
         for i, (ids, text) in enumerate(prompts)
     ]
 
 
-def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
+def parse_chat(
+    body: dict[str, Any], tokenizer: Tokenizer, tool_settings: ToolSettings | None = None
+) -> Job:
     check_fields(body, CHAT_FIELDS)
-    chat = read_chat_prompt(body)
+    settings = tool_settings or ToolSettings()
+    tools = read_tools(body, settings)
+    chat = read_chat_prompt(body, tools.tools if tools is not None else None)
     try:
         prompt_ids = tokenizer.apply_chat_template(chat.messages, chat.options)
         prompt_text = (
@@ -184,18 +208,29 @@ def parse_chat(body: dict[str, Any], tokenizer: Tokenizer) -> Job:
     param = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    job = _job(body, "chat", prompt_ids, "messages", read_int(body, param, lo=1), tokenizer)
-    return dataclasses.replace(
+    job = job_from_body(
+        body, "chat", prompt_ids, "messages", read_int(body, param, lo=1), tokenizer
+    )
+    job = dataclasses.replace(
         job,
         max_tokens_param=param,
         role=chat.role,
         echo_text=chat.echo_text or None,
         prompt_text=prompt_text,
         logprobs=read_chat_logprobs(body, read_bool(body, "echo"), job.stream),
+        tools=tools,
     )
+    if tools is not None and tools.reads_calls:
+        # As vLLM's tool parsers: special tokens stay in the text (tool-call markers are special
+        # in many vocabularies); a forced choice's schema replaces any other constraint.
+        job = dataclasses.replace(job, skip_special_tokens=False)
+        constraint = tool_constraint(tools, settings)
+        if constraint is not None:
+            job = dataclasses.replace(job, structured=constraint)
+    return job
 
 
-def _job(
+def job_from_body(
     body: dict[str, Any],
     kind: str,
     prompt_ids: list[int],
@@ -256,7 +291,7 @@ def resolve(job: Job, limits: Limits) -> Job:
     """Check the job against the serving ledger's limits, truncate its prompt when asked, and
     fill chat's default max_tokens."""
     if job.model is not None and job.model != limits.model_name:
-        raise ApiError(404, f"The model `{job.model}` does not exist.", "model")
+        raise unknown_model(job.model, limits.model_name)
     if job.priority != 0 and limits.scheduling_policy != "priority":
         raise bad_request(
             f"Got priority {job.priority} but priority scheduling is not enabled: the ledger "
@@ -279,6 +314,8 @@ def resolve(job: Job, limits: Limits) -> Job:
             job.prompt_param,
         )
     max_tokens = job.max_tokens if job.max_tokens is not None else limits.max_model_len - num_prompt
+    if job.cap_max_tokens:
+        max_tokens = min(max_tokens, limits.max_model_len - num_prompt)
     if num_prompt + max_tokens > limits.max_model_len:
         raise bad_request(
             f"This model's maximum context length is {limits.max_model_len} tokens. However, you "

@@ -230,7 +230,7 @@ class Replicas(GatewayRouting):
             except NoReplicaError as exc:
                 log.warning("route_refused", policy=self.policy, error=str(exc))
                 raise ApiError(
-                    503, str(exc), err_type="service_unavailable_error",
+                    503, str(exc),
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 ) from None  # fmt: skip
             span.set_attributes(_span_attributes(decision))

@@ -22,8 +22,10 @@ from gateway.fields import ApiError
 from gateway.output_reader import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
 from gateway.router import routing_for
+from gateway.tools import ConfigProblem, ToolSettings
 from observability import GatewayMetrics, LedgerSnapshot, get_logger, new_registry
 from services.config import GatewayConfig
+from services.environment import ConfigError
 from services.startup import freeze_after_startup
 from services.tokenization.tokenizer import Tokenizer
 from services.transport import redis_streams
@@ -52,6 +54,12 @@ class Gateway:
         self.gateway_id = config.gateway_id or default_gateway_id()
         self.started_at = time.time()
         self.default_model_name = config.model_name or tokenizer.name
+        try:  # the tool flags against this tokenizer, once
+            self.tool_settings = ToolSettings.of(
+                config.tool_call_parser, config.enable_auto_tool_choice, tokenizer
+            )
+        except ConfigProblem as exc:
+            raise ConfigError(str(exc)) from None
         self.registry = new_registry()
         self.metrics = GatewayMetrics(self.registry, self.default_model_name)
         # Which replica gets each request; its first replica's keys are the gateway's own.
@@ -111,7 +119,6 @@ class Gateway:
             f"{what} for {stalled_s:.0f}s (--stall-timeout {self.config.stall_timeout_s:g}s, "
             f"KVLEDGER_STALL_TIMEOUT); the request was aborted. "
             + self.unavailable_message(status),
-            err_type="service_unavailable_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
 
@@ -132,7 +139,6 @@ class Gateway:
                 )
                 raise ApiError(
                     503, self.unavailable_message(status, self.config.ledger_wait_s),
-                    err_type="service_unavailable_error",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )  # fmt: skip
             await asyncio.sleep(LEDGER_POLL_S)
@@ -205,15 +211,12 @@ class Gateway:
             429,
             f"this gateway already has {self.in_flight} sequences in flight (max_queue="
             f"{self.config.max_queue}){asks}; retry after {RETRY_AFTER_S}s",
-            err_type="rate_limit_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
 
     def _refuse_when_closing(self) -> None:
         if self.closing:
-            raise ApiError(
-                503, "the gateway is shutting down", err_type="service_unavailable_error"
-            )
+            raise ApiError(503, "the gateway is shutting down")
 
     async def enqueue(self, request: GenerateRequest, replica: str | None = None) -> None:
         """A request to the requests stream of `replica`, noting which Redis took it: if Redis

@@ -72,6 +72,16 @@ def read_structured(body: dict[str, Any]) -> StructuredOutput | None:
     return StructuredOutput(kind=kind, grammar=grammar)
 
 
+def json_schema_output(schema: dict[str, Any], param: str) -> StructuredOutput:
+    """A JSON schema the output must match (tool calls, the Responses API's text.format),
+    compiled and validated; a bad schema is a 400 naming `param`."""
+    grammar = _json_grammar(schema, True, param)
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise bad_request(f"'{param}' is not a valid json constraint: {error.strip()}", param)
+    return StructuredOutput(kind="json", grammar=grammar)
+
+
 def _read_response_format(value: Any) -> tuple[str, Any] | None:
     """(constraint, value) that response_format asks for, or None for text / absent."""
     if value is None:

@@ -42,7 +42,10 @@ REMOVED_GUIDED_FIELDS = (
 
 _SAMPLING: dict[str, FieldSupport] = {
     "model": works("must name the served model (404 otherwise); may be omitted"),
-    "max_tokens": works("output token limit; the context must hold prompt plus max_tokens"),
+    "max_tokens": works(
+        "output token limit; the context must hold prompt plus max_tokens (completions: 0 with "
+        "echo scores the prompt)"
+    ),
     "temperature": works(
         "0 is greedy (below 1e-5 on the worker); 0 < t < 0.01 becomes 0.01, as vLLM"
     ),
@@ -111,7 +114,10 @@ _SAMPLING: dict[str, FieldSupport] = {
 COMPLETION_FIELDS: dict[str, FieldSupport] = {
     **_SAMPLING,
     "prompt": works("text or token ids, or a batch (list) of either: choices prompt by prompt"),
-    "echo": works("the prompt's text before the completion"),
+    "echo": works(
+        "the prompt's text before the completion (none with return_token_ids, as vLLM); with "
+        "max_tokens 0 the prompt alone and its logprobs (prompt scoring, as lm-eval uses)"
+    ),
     "add_special_tokens": works(
         "add BOS (the tokenizer's special tokens) to a text prompt; default true"
     ),
@@ -143,14 +149,93 @@ CHAT_FIELDS: dict[str, FieldSupport] = {
         "Chat template is passed with request, but --trust-request-chat-template is not set. "
         "Refused request with untrusted chat template."
     ),
-    "tools": refused("tool calling is not served"),
-    "tool_choice": refused("tool calling is not served", "none"),
-    "parallel_tool_calls": works("accepted; only meaningful with tools, which are refused"),
+    "tools": works(
+        "function tools, given to the chat template as `tools`; calls are read back by "
+        "--tool-call-parser (hermes, llama3_json or mistral)"
+    ),
+    "tool_choice": works(
+        "none (tools reach the template, the answer is content), auto (the default with tools; "
+        "needs --enable-auto-tool-choice), required or a named function (the output is "
+        "constrained to the tools' JSON schema); all but none need --tool-call-parser"
+    ),
+    "parallel_tool_calls": works("false keeps the first tool call only"),
     "include_reasoning": refused("no reasoning parser is served", True),
     "top_logprobs": works("k <= 20 most likely tokens per position (with logprobs: true)"),
     "media_io_kwargs": refused("multimodal input is not served", {}),
     "mm_processor_kwargs": refused("multimodal input is not served", {}),
     "logprobs": works("raw logprobs of each output token, in OpenAI's chat shape"),
+}
+
+# vLLM 0.33's ResponsesRequest, for a generate model (no built-in tools, no reasoning parser).
+RESPONSES_FIELDS: dict[str, FieldSupport] = {
+    "input": works(
+        "text, or items: messages (input_text parts), function_call and function_call_output"
+    ),
+    "instructions": works("a system message before the input (not carried to later turns)"),
+    "model": _SAMPLING["model"],
+    "max_output_tokens": works("output token limit, capped at what the context leaves (as vLLM)"),
+    "temperature": _SAMPLING["temperature"],
+    "top_p": _SAMPLING["top_p"],
+    "top_k": _SAMPLING["top_k"],
+    "min_p": _SAMPLING["min_p"],
+    "seed": _SAMPLING["seed"],
+    "stop": _SAMPLING["stop"],
+    "stop_token_ids": _SAMPLING["stop_token_ids"],
+    "ignore_eos": _SAMPLING["ignore_eos"],
+    "presence_penalty": _SAMPLING["presence_penalty"],
+    "frequency_penalty": _SAMPLING["frequency_penalty"],
+    "repetition_penalty": _SAMPLING["repetition_penalty"],
+    "logit_bias": _SAMPLING["logit_bias"],
+    "stream": works("server-sent events: response.created ... response.completed, as vLLM"),
+    "text": works(
+        "format: text, json_object or json_schema (the output is constrained, llguidance)"
+    ),
+    "structured_outputs": works("as in the chat endpoint; not with text.format"),
+    "tools": works("function tools, as in chat (--tool-call-parser reads the calls back)"),
+    "tool_choice": works("none, auto, required or a named function, as in chat"),
+    "parallel_tool_calls": works("false keeps the first tool call only"),
+    "include": works(
+        "message.output_text.logprobs alone: each output token's logprob and top_logprobs"
+    ),
+    "top_logprobs": works("0..20 most likely tokens per position (with include's logprobs)"),
+    "truncation": works("auto keeps the last tokens of a prompt too long; disabled refuses it"),
+    "store": refused(
+        "responses are stored only with --enable-responses-store (KVLEDGER_ENABLE_RESPONSES_STORE)",
+        False,
+    ),
+    "previous_response_id": refused(
+        "responses are stored only with --enable-responses-store (KVLEDGER_ENABLE_RESPONSES_STORE)"
+    ),
+    "metadata": works("up to 16 string pairs, echoed in the response"),
+    "user": _SAMPLING["user"],
+    "session_id": _SAMPLING["session_id"],
+    "request_id": works("the response's id"),
+    "priority": _SAMPLING["priority"],
+    "cache_salt": _SAMPLING["cache_salt"],
+    "skip_special_tokens": _SAMPLING["skip_special_tokens"],
+    "include_stop_str_in_output": _SAMPLING["include_stop_str_in_output"],
+    "chat_template_kwargs": works("extra variables for the chat template"),
+    "service_tier": works("echoed in the response; no effect, as vLLM"),
+    "prompt_cache_key": works("echoed in the response; no effect, as vLLM"),
+    "prompt_cache_retention": works("echoed in the response; no effect, as vLLM"),
+    "prompt_cache_options": works("echoed in the response; no effect, as vLLM"),
+    "safety_identifier": works("echoed in the response; no effect, as vLLM"),
+    "background": refused("background responses are not served", False),
+    "max_tool_calls": refused("only built-in tools (not served) loop on calls"),
+    "prompt": refused("prompt template is not supported"),
+    "reasoning": refused("no reasoning model is served"),
+    "include_reasoning": refused("no reasoning model is served", True),
+    "watermarking": _SAMPLING["watermarking"],
+    "spaces_between_special_tokens": _SAMPLING["spaces_between_special_tokens"],
+    "enable_response_messages": refused("raw prompt and output messages are not returned", False),
+    "previous_input_messages": refused("only gpt-oss (Harmony) messages go there"),
+    "media_io_kwargs": refused("multimodal input is not served", {}),
+    "mm_processor_kwargs": refused("multimodal input is not served", {}),
+    "mm_payload": _SAMPLING["mm_payload"],
+    "return_mm_kwargs": _SAMPLING["return_mm_kwargs"],
+    "vllm_xargs": _SAMPLING["vllm_xargs"],
+    "kv_transfer_params": _SAMPLING["kv_transfer_params"],
+    "ec_transfer_params": _SAMPLING["ec_transfer_params"],
 }
 
 TOKENIZE_FIELDS: dict[str, FieldSupport] = {
@@ -163,7 +248,7 @@ TOKENIZE_FIELDS: dict[str, FieldSupport] = {
     "chat_template_kwargs": works("chat form: extra template variables"),
     "return_token_strs": works("also return each token's string"),
     "chat_template": CHAT_FIELDS["chat_template"],
-    "tools": refused("tool calling is not served", []),
+    "tools": works("chat form: given to the chat template as `tools`"),
     "media_io_kwargs": CHAT_FIELDS["media_io_kwargs"],
     "mm_processor_kwargs": CHAT_FIELDS["mm_processor_kwargs"],
 }
@@ -231,6 +316,8 @@ def markdown_field_list() -> str:
     ):
         lines += ["", title, ""]
         lines += [_line(n, s) for n, s in table.items() if n not in shared]
+    lines += ["", "`/v1/responses`:", ""]
+    lines += [_line(n, s) for n, s in RESPONSES_FIELDS.items()]
     lines += ["", "Inside `structured_outputs` (one constraint of the first five):", ""]
     lines += [_line(n, s) for n, s in STRUCTURED_OUTPUTS_FIELDS.items()]
     return "\n".join(lines) + "\n"

@@ -14,12 +14,19 @@ from typing import Any
 from aiohttp import web
 
 from gateway.chat import read_chat_prompt
-from gateway.fields import ApiError, bad_request, read_bool, read_model, read_token_ids
+from gateway.fields import (
+    bad_request,
+    read_bool,
+    read_model,
+    read_token_ids,
+    unknown_model,
+)
 from gateway.generate import read_body
 from gateway.openapi import openapi_document
 from gateway.protocol import parse_json
 from gateway.state import Gateway
 from gateway.support import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
+from gateway.tools import read_tools
 from services.tokenization.tokenizer import ChatTemplateError
 
 # vLLM's TokenizeChatRequest: fields only the chat form takes.
@@ -70,9 +77,7 @@ def add_utility_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -
         limits = gw.limits(await gw.ledger_status(max_age_s=0))
         model_id = request.match_info["model_id"]
         if model_id != limits.model_name:
-            raise ApiError(
-                404, f"The model `{model_id}` does not exist.", "model", "not_found_error"
-            )
+            raise unknown_model(model_id, limits.model_name)
         return web.json_response(model_body(gw, limits.model_name, limits.max_model_len))
 
     async def show_version(_: web.Request) -> web.Response:
@@ -118,7 +123,7 @@ def kvledger_version() -> str:
 def _check_model(body: dict[str, Any], served: str) -> None:
     model = read_model(body.get("model"))
     if model is not None and model != served:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model", "not_found_error")
+        raise unknown_model(model, served)
 
 
 def _tokenize(gw: Gateway, body: dict[str, Any]) -> list[int]:
@@ -138,7 +143,8 @@ def _tokenize(gw: Gateway, body: dict[str, Any]) -> list[int]:
         return gw.tokenizer.encode(prompt, add_special_tokens=add_special)
     if "messages" not in body:
         raise bad_request("/tokenize needs 'prompt' (text) or 'messages' (chat)", "prompt")
-    chat = read_chat_prompt(body)
+    tools = read_tools({"tools": body.get("tools"), "tool_choice": "none"}, gw.tool_settings)
+    chat = read_chat_prompt(body, tools.tools if tools is not None else None)
     try:
         return gw.tokenizer.apply_chat_template(chat.messages, chat.options)
     except ChatTemplateError as exc:

@@ -14,6 +14,12 @@ assert vllm.__version__.startswith('0.33.'), vllm.__version__; print('OK vllm', 
 
 probe() { [ -x "$V/bin/python" ] && VLLM_TARGET_DEVICE=cpu "$V/bin/python" -c "$PROBE" 2>/dev/null | tail -1; }
 if [[ "$(probe || true)" == "OK vllm"* ]]; then
+    # vLLM's OpenAI serving code and tool parsers (tests/oracle/vllm_serving_driver.py) also
+    # need orjson, ijson and mistral_common, which venvs built before they were listed lack:
+    # added in place.
+    "$V/bin/python" -c "import orjson, ijson, mistral_common" 2>/dev/null \
+        || "$V/bin/pip" install -q orjson ijson "mistral_common>=1.11.6" 2>&1 \
+        | grep -v -E "^WARNING: Location|^vllm 0.33.0 requires|dependency resolver" || true
     echo "OK vllm oracle venv reused: $V"
     exit 0
 fi
@@ -35,7 +41,8 @@ $P install -q "torch==2.13.0" packaging "pydantic>=2.12.0" regex numpy msgspec "
   "tokenizers>=0.23.2" "safetensors>=0.6.2" "fastapi>=0.133.0,<0.137.0" "starlette>=1.0.1" \
   "aiohttp>=3.14.4" "multidict>=6.9.1" "openai>=2.25.0" "prometheus_client>=0.18.0" \
   "pillow>=13.0.0" partial-json-parser "llguidance>=1.7.0,<1.8.0" "apache-tvm-ffi==0.1.11" \
-  "oss-harmony>=0.0.11" "opentelemetry-api>=1.27.0" uvloop einops 2>&1 | quiet
+  "oss-harmony>=0.0.11" "opentelemetry-api>=1.27.0" uvloop einops orjson ijson \
+  "mistral_common>=1.11.6" 2>&1 | quiet
 $P install -q --no-deps "xgrammar==0.2.8" 2>&1 | quiet
 RESULT="$(probe || true)"
 [[ "$RESULT" == "OK vllm"* ]] || { echo "the venv in $V cannot import vLLM 0.33" >&2; exit 1; }

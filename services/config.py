@@ -141,6 +141,9 @@ def _opt(
     )
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # gateway.tool_parsers.PARSERS
+
+
 def _replica_name(text: str) -> str:
     name = text.strip()
     if not name or any(c in name for c in "{}:*?[] "):
@@ -521,6 +524,33 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
         None, 4 * 1024 * 1024, "largest request body accepted (413 above)", int
     )
     default_max_tokens: int = _opt(None, 16, "max_tokens of a completion that sets none", int)
+    enable_auto_tool_choice: bool = _opt(
+        "KVLEDGER_ENABLE_AUTO_TOOL_CHOICE",
+        False,
+        "let the model call tools by itself (tool_choice auto); needs --tool-call-parser",
+        _bool,
+    )
+    enable_responses_store: bool = _opt(
+        "KVLEDGER_ENABLE_RESPONSES_STORE",
+        False,
+        "keep /v1/responses answers in Redis (store, previous_response_id, GET "
+        "/v1/responses/{id}), as vLLM's VLLM_ENABLE_RESPONSES_API_STORE but shared by every "
+        "gateway",
+        _bool,
+    )
+    responses_store_ttl_s: float = _opt(
+        "KVLEDGER_RESPONSES_STORE_TTL_S",
+        86400.0,
+        "seconds a stored response lives in Redis",
+        float,
+    )
+    tool_call_parser: str | None = _opt(
+        "KVLEDGER_TOOL_CALL_PARSER",
+        None,
+        "how tool calls are read from the model's output: hermes, llama3_json or mistral "
+        "(needed by every tool_choice but none)",
+        lambda text: _choice(text, TOOL_CALL_PARSERS),
+    )
     replicas: str | None = _opt(
         "KVLEDGER_REPLICAS",
         None,
@@ -645,8 +675,10 @@ def add_arguments(
         shown = "" if "(default" in meta["help"] else f"default: {_shown(f.default)}"
         where = "; ".join(part for part in (shown, f"env {env_name}" if env_name else "") if part)
         help_text = meta["help"] + (f" ({where})" if where else "")
+        # A boolean flag alone means true (vLLM's --enable-auto-tool-choice); 0/1 still work.
+        takes: dict[str, Any] = {"nargs": "?", "const": "1"} if isinstance(f.default, bool) else {}
         parser.add_argument(
-            *flags, dest=f.name, default=None, help=help_text, metavar=f.name.upper()
+            *flags, dest=f.name, default=None, help=help_text, metavar=f.name.upper(), **takes
         )
         added.append(f)
     return added

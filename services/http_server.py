@@ -127,7 +127,7 @@ class _Refusal(asyncio.Protocol):
                 "error": {
                     "message": f"the server already holds {max_connections} open connections "
                     "(its connection cap); retry after 1s",
-                    "type": "service_unavailable_error",
+                    "type": "ServiceUnavailableError",  # vLLM's type for a 503
                     "param": None,
                     "code": 503,
                 }

@@ -39,6 +39,7 @@ class ChatOptions:
     continue_final_message: bool = False  # the last message stays open for the model to continue
     add_special_tokens: bool = False  # on top of what the template writes itself
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # documents, user kwargs, ...
+    tools: list[dict[str, Any]] | None = None  # the request's tools, as the template's `tools`
 
 
 class Tokenizer(Protocol):
@@ -52,6 +53,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_pieces(self, ids: Sequence[int]) -> list[str]: ...
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the vocabulary entry `text` (a special token's), or None."""
+        ...
 
     def render_chat(
         self, messages: list[dict[str, Any]], options: ChatOptions | None = None
@@ -89,6 +94,9 @@ class ByteTokenizer:
     def token_pieces(self, ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary entry (a byte shown as its Latin-1 character)."""
         return [chr(i) if i < 256 else "<s>" if i == self.BOS_ID else "</s>" for i in ids]
+
+    def token_id(self, text: str) -> int | None:
+        return {"<s>": self.BOS_ID, "</s>": self.EOS_ID}.get(text)
 
     def render_chat(
         self, messages: list[dict[str, Any]], options: ChatOptions | None = None
@@ -160,6 +168,9 @@ class HFTokenizer:
         """Each id's vocabulary entry, as transformers' convert_ids_to_tokens."""
         return [self._tok.id_to_token(i) or "" for i in ids]
 
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
+
     def render_chat(
         self, messages: list[dict[str, Any]], options: ChatOptions | None = None
     ) -> str:
@@ -221,6 +232,9 @@ def render_chat_template(
     options = options or ChatOptions()
     variables = {**special_tokens, **options.template_kwargs}
     variables["add_generation_prompt"] = options.add_generation_prompt
+    # The request's tools (None without, as transformers and vLLM pass it).
+    if options.tools is not None or "tools" not in variables:
+        variables["tools"] = options.tools
     try:
         text = _compile(template).render(messages=messages, **variables)
     except ChatTemplateError:

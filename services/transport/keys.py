@@ -91,3 +91,9 @@ class StreamNames:
     def tp_rendezvous(self, group: str, epoch: str) -> str:
         """Where rank 0 of a tensor-parallel group publishes its store's host:port for an epoch."""
         return f"{self.base}:tp:{group}:{epoch}"
+
+
+def stored_response(prefix: str, response_id: str) -> str:
+    """A /v1/responses answer kept for previous_response_id (gateway --enable-responses-store).
+    Outside every replica: any gateway of the prefix reads it."""
+    return f"{prefix}:responses:{response_id}"

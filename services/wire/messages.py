@@ -5,6 +5,7 @@ Streams (names in `services.transport.keys.StreamNames`):
   steps     ledger  -> workers  StepMessage (one per scheduler step), WorkerShutdown
   results   workers -> ledger   WorkerHello (registration with capacity), StepResult
   outputs   ledger  -> gateway  OutputBatch per step, RequestOutput for aborts (one stream per gateway)
+Keys: StoredResponse (a gateway's /v1/responses answer, `keys.stored_response`).
 Parts nested inside messages (SamplingParams, NewRequestData, CachedRequestData, RequestOutput)
 are Records. The KV-events stream is not here: it carries vLLM's own `KVEventBatch` bytes (`ledger.events`).
 """
@@ -12,6 +13,7 @@ are Records. The KV-events stream is not here: it carries vLLM's own `KVEventBat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from services.wire.codec import Message, Record
 
@@ -241,3 +243,11 @@ class LedgerStatus(Message, tag="ledger_status"):
     scheduling_policy: str = "fcfs"  # the gateway refuses priority != 0 under fcfs, as vLLM
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
+
+
+class StoredResponse(Message, tag="stored_response"):
+    """A /v1/responses answer in Redis (gateway --enable-responses-store): the response body as
+    returned, and the conversation that led to it (for a later previous_response_id)."""
+
+    response: dict[str, Any]
+    messages: list[dict[str, Any]]

@@ -50,11 +50,25 @@ REQUESTS: list[tuple[str, str, dict[str, Any], str]] = [
     ("chat_stream", "/v1/chat/completions",
      {"messages": MESSAGES, "max_tokens": 4, "stream": True, "logprobs": True, "top_logprobs": 1,
       "stream_options": {"include_usage": True}}, "ChatCompletionStreamResponse"),
+    ("chat_stream_continuous_usage", "/v1/chat/completions",
+     {"messages": MESSAGES, "max_tokens": 3, "stream": True,
+      "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "ChatCompletionStreamResponse"),
+    ("completion_score", "/v1/completions",
+     {"prompt": [[256, 72, 105], [256, 66]], "max_tokens": 0, "echo": True, "logprobs": 1,
+      "temperature": 0, "seed": 1234}, "CompletionResponse"),
+    ("completion_score_stream", "/v1/completions",
+     {"prompt": "Hi", "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True},
+     "CompletionStreamResponse"),
     ("error", "/v1/completions", {"prompt": "x", "temperature": 9}, "ErrorResponse"),
+    ("error_model", "/v1/chat/completions", {"messages": MESSAGES, "model": "gpt-9"},
+     "ErrorResponse"),
     ("tokenize", "/tokenize", {"prompt": "Hi", "return_token_strs": True}, "TokenizeResponse"),
     ("tokenize_chat", "/tokenize", {"messages": MESSAGES}, "TokenizeResponse"),
     ("detokenize", "/detokenize", {"tokens": [72, 105]}, "DetokenizeResponse"),
 ]  # fmt: skip
+STATUS = {"error": 400, "error_model": 404}
+ERROR_TYPES = {"error": "BadRequestError", "error_model": "NotFoundError"}  # vLLM 0.33's
 MODULES = {
     "CompletionResponse": COMPLETION, "CompletionStreamResponse": COMPLETION,
     "ChatCompletionResponse": CHAT, "ChatCompletionStreamResponse": CHAT,
@@ -90,13 +104,16 @@ async def _answers(redis_url, tiny_model) -> list[dict[str, Any]]:
             cases.append(_case("models", "ModelList", await models.json()))
             for name, route, body, model in REQUESTS:
                 resp = await client.post(route, json=body)
-                assert resp.status == (400 if model == "ErrorResponse" else 200), name
+                assert resp.status == STATUS.get(name, 200), name
                 if body.get("stream"):
                     events = await read_sse(resp)
                     assert events[-1] == "[DONE]"
                     cases += [_case(f"{name}[{i}]", model, e) for i, e in enumerate(events[:-1])]
                 else:
-                    cases.append(_case(name, model, await resp.json()))
+                    answer = await resp.json()
+                    if name in ERROR_TYPES:
+                        assert answer["error"]["type"] == ERROR_TYPES[name], answer
+                    cases.append(_case(name, model, answer))
     finally:
         await stack.stop()
     return cases

@@ -299,6 +299,60 @@ async def test_greedy_logprobs_over_http_match_transformers_log_softmax(stack):
             assert abs(top["logprob"] - row[token_id(top["token"])].item()) < LOGPROB_TOL
 
 
+def lm_eval_loglikelihood_body(model: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """The body lm-evaluation-harness's `local-completions` model sends for loglikelihood
+    requests (lm_eval 0.4.13, models/openai_completions.py `_create_payload(generate=False)`):
+    context + continuation as token ids, one generated token whose entry it drops."""
+    return {
+        "model": model, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+        "seed": 1234, "echo": True,
+    }  # fmt: skip
+
+
+async def test_prompt_scoring_matches_transformers_log_softmax(stack):
+    """echo + max_tokens 0 (vLLM's prompt scoring) and lm-eval's loglikelihood body: each
+    prompt token's logprob equals transformers' log-softmax within 1e-4."""
+    rng = random.Random(4)
+    contexts = [random_prompt(rng, n) for n in (7, 12)]
+    # A random continuation (not greedy) and the model's own greedy one (greedy).
+    continuations = [random_prompt(rng, 3), reference_greedy(stack.reference, contexts[1], 5)]
+    prompts = [c + k for c, k in zip(contexts, continuations, strict=True)]
+    url = f"{stack.served.url}/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        scored = await post(session, url, {"prompt": prompts, "max_tokens": 0, "echo": True,
+                                           "logprobs": 1, "return_token_ids": True})  # fmt: skip
+        harness = await post(session, url, lm_eval_loglikelihood_body(stack.folder.name, prompts))
+    for i, ids in enumerate(prompts):
+        expected = reference_logprobs(stack.reference, ids)
+        choice = scored["choices"][i]
+        assert choice["index"] == i and choice["finish_reason"] == "length"
+        assert choice["prompt_token_ids"] == ids and choice["text"] == ""  # ids, so no text
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids)  # the prompt's alone: no sampled token
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for position in range(1, len(ids)):
+            row = expected[position - 1]
+            assert abs(lp["token_logprobs"][position] - row[ids[position]].item()) < LOGPROB_TOL
+            top = lp["top_logprobs"][position]  # the prompt token and the most likely one
+            assert max(top.values()) == pytest.approx(row.max().item(), abs=LOGPROB_TOL)
+        # lm-eval reads token_logprobs[ctxlen:-1] (the last is the sampled token's) and calls the
+        # continuation greedy when each of its tokens is the most likely.
+        entry = harness["choices"][i]["logprobs"]
+        ctxlen = len(contexts[i])
+        assert len(entry["token_logprobs"]) == len(ids) + 1
+        got = sum(entry["token_logprobs"][ctxlen:-1])
+        want = sum(expected[p - 1, ids[p]].item() for p in range(ctxlen, len(ids)))
+        assert abs(got - want) < LOGPROB_TOL * len(continuations[i])
+        greedy = all(
+            v == max(top.values())
+            for v, top in zip(entry["token_logprobs"][ctxlen:-1],
+                              entry["top_logprobs"][ctxlen:-1], strict=True)
+        )  # fmt: skip
+        want_greedy = all(int(expected[p - 1].argmax()) == ids[p] for p in range(ctxlen, len(ids)))
+        assert greedy == want_greedy == (i == 1)
+    assert scored["usage"]["prompt_tokens"] == sum(map(len, prompts))
+
+
 async def test_sharded_checkpoint_answers_exactly_as_the_unsharded_one(tmp_path):
     arch = "LlamaForCausalLM"
     single = make_tiny_checkpoint(tmp_path / "single", arch)

@@ -78,7 +78,7 @@ def test_a_poison_request_gets_an_error_and_the_others_their_exact_tokens():
         (status, error), (stream_status, stream_error), *answers = asyncio.run(run())
         # The request's own settings failed it: a 400, as the gateway's ledger_failure says.
         assert status == 400 and error["code"] == 400, error
-        assert error["type"] == "invalid_request_error", error
+        assert error["type"] == "BadRequestError", error
         assert error["message"].startswith("the ledger failed the request"), error
         assert "the worker failed on this request" in error["message"], error
         assert "probability tensor" in error["message"], error

@@ -29,6 +29,6 @@ async def test_requests_held_when_the_last_worker_is_lost_get_503_with_retry_aft
             assert resp.headers["Retry-After"] == "1"
             payload = await resp.json()
             assert_error(payload, None, "no worker of group 'default'")
-            assert payload["error"]["type"] == "service_unavailable_error"
+            assert payload["error"]["type"] == "ServiceUnavailableError"
     finally:
         await stack.stop()

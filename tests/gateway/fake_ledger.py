@@ -47,12 +47,18 @@ class Script:
     cached_tokens: int = 0
     queued_s: float | None = None  # sent with the first tokens, as the ledger does
     vary_by_seed: bool = False  # start the text at offset seed, so that samples differ
+    ids: list[int] | None = None  # exactly these token ids (then `eos`) instead of the text
+    eos: int = EOS  # the EOS id of `ids` (a checkpoint tokenizer's)
 
 
 def generated_ids(req: GenerateRequest, script: Script) -> tuple[list[int], str, int | None]:
     """The whole output of a request: token ids, finish reason, stop token id."""
-    text = script.text.encode()
     limit = req.sampling.max_tokens
+    if script.ids is not None:
+        if len(script.ids) < limit:
+            return [*script.ids, script.eos], "stop", script.eos
+        return script.ids[:limit], "length", None
+    text = script.text.encode()
     start = (req.sampling.seed or 0) if script.vary_by_seed else 0
     if script.eos_after is not None and script.eos_after < limit:
         ids = [text[(start + i) % len(text)] for i in range(script.eos_after)]

@@ -50,7 +50,7 @@ SAMPLES: dict[str, Any] = {
     "prompt_embeds": "AAAA", "add_generation_prompt": False, "continue_final_message": True,
     "documents": [{"title": "t", "text": "x"}], "chat_template_kwargs": {"flavour": "x"},
     "reasoning_effort": "low", "return_prompt_text": True, "chat_template": "{{ 1 }}",
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
     "parallel_tool_calls": False, "include_reasoning": False, "media_io_kwargs": {"image": {}},
     "mm_processor_kwargs": {"a": 1}, "return_token_strs": True, "tokens": [72, 105],
 }  # fmt: skip
@@ -61,6 +61,10 @@ COMPANIONS: dict[str, dict[str, Any]] = {
     "stream_interval": {"stream": True},
     "continue_final_message": {"add_generation_prompt": False},
     "top_logprobs": {"logprobs": True},
+    # This gateway has no --tool-call-parser: tools only with tool_choice none (tests/gateway/
+    # test_http_tools.py covers the others).
+    "tools": {"tool_choice": "none"},
+    "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}]},
 }
 # Where one endpoint types a field differently from the other.
 KIND_SAMPLES: dict[str, dict[str, Any]] = {"chat": {"logprobs": True}}
@@ -108,7 +112,8 @@ def _cases() -> list[tuple[str, str, str, dict[str, Any], bool]]:
             if name in base:
                 continue
             refused = table[name].refused
-            companions = {} if refused else COMPANIONS.get(name, {})
+            wanted = {} if refused else COMPANIONS.get(name, {})
+            companions = {k: v for k, v in wanted.items() if k in table}  # the endpoint's own
             sample = KIND_SAMPLES.get(kind, {}).get(name, SAMPLES[name])
             body = {**base, **companions, name: sample}
             cases.append((f"{kind}.{name}", route, name, body, refused))

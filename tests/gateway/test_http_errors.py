@@ -25,6 +25,7 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str | None, str]] = [
     ("completions", {"prompt": [300]}, "prompt", "out of the vocabulary (ids 0..257)"),
     ("completions", {"prompt": "x", "stop_token_ids": [258]}, "stop_token_ids", "vocabulary"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("completions", {"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens", ">= 0"),
     ("completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens", "must be an integer"),
     ("completions", {"prompt": "x", "temperature": 2.5}, "temperature", "at most 2.0"),
     ("completions", {"prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
@@ -95,7 +96,7 @@ async def test_bad_input_gets_400_naming_the_field(
     assert resp.status == 400
     body = await resp.json()
     assert_error(body, param, fragment)
-    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["type"] == "BadRequestError"  # vLLM 0.33's type
     assert ledger.requests == []
 
 
@@ -117,6 +118,28 @@ async def test_an_unknown_model_gets_404_naming_model(start_gateway, start_ledge
         "/v1/completions", json={"prompt": "x", "model": "fake-model", "max_tokens": 1}
     )
     assert resp.status == 200
+
+
+async def test_an_unknown_model_is_vllms_not_found_error_on_every_route(
+    start_gateway, start_ledger
+):
+    await start_ledger()
+    client = await start_gateway()
+    expected = {
+        "message": "The model `gpt-9` does not exist. Valid aliases: fake-model.",
+        "type": "NotFoundError", "param": "model", "code": 404,
+    }  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for route, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", chat),
+        ("/tokenize", {"prompt": "x"}),
+        ("/detokenize", {"tokens": [1]}),
+    ):
+        resp = await client.post(route, json=body | {"model": "gpt-9"})
+        assert (resp.status, await resp.json()) == (404, {"error": expected}), route
+    resp = await client.get("/v1/models/gpt-9")
+    assert (resp.status, await resp.json()) == (404, {"error": expected})
 
 
 async def test_the_ledgers_limits_win_over_the_config(start_gateway, start_ledger):
@@ -153,7 +176,7 @@ async def test_a_full_gateway_answers_429_with_retry_after(start_gateway, start_
     assert resp.headers["Retry-After"] == "1"
     body = await resp.json()
     assert_error(body, None, "max_queue=1")
-    assert body["error"]["type"] == "rate_limit_error"
+    assert body["error"]["type"] == "Too Many Requests"
     done = await first_task
     assert done.status == 200
     assert (await done.json())["choices"][0]["text"] == "Hel"
@@ -171,7 +194,7 @@ async def test_api_key_is_required_on_v1_when_set(start_gateway, start_ledger, n
         resp = await client.post("/v1/completions", json=body, headers=headers)
         assert resp.status == 401, headers
         assert resp.headers["WWW-Authenticate"] == "Bearer"
-        assert (await resp.json())["error"]["type"] == "authentication_error"
+        assert (await resp.json())["error"]["type"] == "Unauthorized"
     resp = await client.get("/v1/models")
     assert resp.status == 401
     ok = {"Authorization": "Bearer s3cret-key"}
@@ -190,7 +213,7 @@ async def test_no_ledger_gets_503_after_waiting(start_gateway):
     assert resp.status == 503
     body = await resp.json()
     assert_error(body, None, "no ledger is running")
-    assert body["error"]["type"] == "service_unavailable_error"
+    assert body["error"]["type"] == "ServiceUnavailableError"
 
 
 async def test_a_ledger_without_workers_gets_503_after_waiting(start_gateway, start_ledger):
@@ -219,11 +242,15 @@ async def test_unknown_routes_get_404_and_wrong_methods_405(start_gateway):
     client = await start_gateway()
     resp = await client.get("/v1/nothing-here")
     assert resp.status == 404
-    assert_error(await resp.json(), None, "no route GET /v1/nothing-here")
+    body = await resp.json()
+    assert_error(body, None, "no route GET /v1/nothing-here")
+    assert body["error"]["type"] == "NotFoundError"
     resp = await client.get("/v1/completions")
     assert resp.status == 405
     assert "POST" in resp.headers["Allow"]
-    assert_error(await resp.json(), None, "use POST")
+    body = await resp.json()
+    assert_error(body, None, "use POST")
+    assert body["error"]["type"] == "Method Not Allowed"  # the phrase, as vLLM's handler
 
 
 async def test_an_authorization_header_that_is_not_utf8_gets_401(
@@ -244,4 +271,4 @@ async def test_an_authorization_header_that_is_not_utf8_gets_401(
     writer.close()
     status_line = reply.split(b"\r\n", 1)[0]
     assert status_line.split()[1] == b"401", reply[:300]
-    assert b"authentication_error" in reply
+    assert b'"type": "Unauthorized"' in reply

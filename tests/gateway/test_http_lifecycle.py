@@ -32,7 +32,7 @@ async def test_silent_ledger_times_out_with_504_and_an_abort(start_gateway, star
     assert resp.status == 504
     body = await resp.json()
     assert_error(body, None, "no output from the ledger for 0.3s")
-    assert body["error"]["type"] == "timeout_error"
+    assert body["error"]["type"] == "Gateway Timeout"
     (req,) = ledger.requests
     assert (await ledger.wait_for_abort(req.req_id)).reason == "timeout"
 
@@ -43,7 +43,7 @@ async def test_streamed_timeout_ends_with_an_error_event_and_done(start_gateway,
     resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert resp.status == 200  # the headers went out before the timeout
     error, done = await read_sse(resp)
-    assert error["error"]["type"] == "timeout_error" and error["error"]["code"] == 504
+    assert error["error"]["type"] == "Gateway Timeout" and error["error"]["code"] == 504
     assert done == "[DONE]"
     await ledger.wait_for_abort(ledger.requests[0].req_id)
 
@@ -113,7 +113,7 @@ async def test_shutdown_ends_in_flight_requests_and_aborts_them(
         closing = asyncio.ensure_future(server.close())
         rest = (await resp.content.read()).decode()
         await closing
-    assert '"type":"service_unavailable_error"' in rest and rest.endswith("data: [DONE]\n\n")
+    assert '"type":"ServiceUnavailableError"' in rest and rest.endswith("data: [DONE]\n\n")
     (req,) = ledger.requests
     assert AbortRequest(req.req_id, "gateway_shutdown") in await request_stream(redis, prefix)
 
@@ -343,7 +343,7 @@ async def test_a_ledger_error_the_request_caused_gives_400(start_gateway, start_
     assert resp.status == 400
     body = await resp.json()
     assert_error(body, None, f"the ledger failed the request: {error}")
-    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["type"] == "BadRequestError"
 
 
 async def _forget_everything(redis, prefix: str) -> None:

@@ -55,6 +55,34 @@ async def test_completion_echo_shows_the_prompts_logprobs_first(start_gateway, s
     assert list(prompt[1]) == [str(ord("H")), "65"]
 
 
+async def test_echo_with_max_tokens_0_scores_the_prompt_alone(start_gateway, start_ledger):
+    # vLLM's prompt scoring: the ledger samples one token (max_tokens 1), finishing after the
+    # prefill; the answer is the prompt with its logprobs, the sampled token left out.
+    ledger = await start_ledger()
+    client = await start_gateway()
+    body = await _post(client, "/v1/completions", prompt="Hi", echo=True, logprobs=1, max_tokens=0)
+    sampling = ledger.requests[0].sampling
+    assert (sampling.max_tokens, sampling.prompt_logprobs, sampling.logprobs) == (1, 1, 1)
+    choice = body["choices"][0]
+    assert choice["text"] == "Hi" and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["<s>", "H", "i"]
+    assert logprobs["token_logprobs"] == [None, -0.5, -0.75]
+    assert logprobs["text_offset"] == [0, 3, 4]
+    assert logprobs["top_logprobs"] == [None, {"H": -0.5, "A": -0.1}, {"i": -0.75, "A": -0.1}]
+    assert body["usage"]["completion_tokens"] == 1  # vLLM counts the sampled token
+    resp = await client.post(
+        "/v1/completions",
+        json={"prompt": "Hi", "echo": True, "logprobs": 0, "max_tokens": 0, "stream": True},
+    )
+    chunk, done = await read_sse(resp)
+    assert done == "[DONE]"
+    (streamed,) = chunk["choices"]
+    assert streamed["text"] == "Hi" and streamed["finish_reason"] == "length"
+    assert streamed["prompt_token_ids"] == [BOS, *b"Hi"]  # vLLM sends them with the echo
+    assert streamed["logprobs"]["token_logprobs"] == [None, -0.5, -0.75]
+
+
 async def test_chat_logprobs_and_top_logprobs(start_gateway, start_ledger):
     ledger = await start_ledger()
     client = await start_gateway()

@@ -90,6 +90,48 @@ async def test_stream_interval_batches_tokens_and_usage_rides_every_chunk(
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 4, 7]
     assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT[:7]
     assert events[-2]["usage"]["completion_tokens"] == 7 and events[-1] == "[DONE]"
+    # vLLM's chunk usage: the counts only (the last usage chunk has the cache details).
+    assert chunks[0]["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    assert "prompt_tokens_details" in events[-2]["usage"]
+
+
+async def test_continuous_usage_stats_alone_puts_usage_in_no_chunk(start_gateway, start_ledger):
+    # vLLM 0.33: continuous_usage_stats counts only together with include_usage.
+    await start_ledger()
+    client = await start_gateway()
+    for route, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": CHAT}),
+    ):
+        resp = await client.post(
+            route,
+            json=body | {"max_tokens": 3, "stream": True,
+                         "stream_options": {"continuous_usage_stats": True}},
+        )  # fmt: skip
+        events = await read_sse(resp)
+        assert events[-1] == "[DONE]" and len(events) > 3, route
+        assert [e for e in events[:-1] if "usage" in e] == [], route
+
+
+async def test_chat_role_chunk_carries_usage_with_no_completion_tokens(start_gateway, start_ledger):
+    await start_ledger()
+    client = await start_gateway()
+    messages = [*CHAT, {"role": "assistant", "content": "Sure"}]
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 2, "stream": True, "echo": True,
+              "add_generation_prompt": False, "continue_final_message": True,
+              "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )  # fmt: skip
+    events = await read_sse(resp)
+    prompt = len(ByteTokenizer().encode("<|user|>\nHi\n<|assistant|>\nSure"))
+    role, echo, *tokens, last, done = events
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert echo["choices"][0]["delta"] == {"content": "Sure"}
+    opening = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    assert role["usage"] == echo["usage"] == opening
+    assert [t["usage"]["completion_tokens"] for t in tokens] == [1, 2]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2 and done == "[DONE]"
 
 
 async def test_request_id_names_the_response(start_gateway, start_ledger, redis, prefix):

@@ -27,7 +27,7 @@ async def test_a_request_fails_within_the_bound_when_the_ledger_dies(start_gatew
     body = await resp.json()
     assert_error(body, None, "no ledger has been running for")
     assert "--stall-timeout 1s" in body["error"]["message"]
-    assert body["error"]["type"] == "service_unavailable_error"
+    assert body["error"]["type"] == "ServiceUnavailableError"
     assert STALL_S <= waited < TIMEOUT_S / 2
 
 

@@ -37,12 +37,16 @@ def make_tiny_checkpoint(
     *,
     max_shard_size: str | None = None,
     seed: int = 0,
+    special_tokens: tuple[str, ...] = (),
+    chat_template: str = CHAT_TEMPLATE,
+    name: str | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Save a random tiny `arch` model (float32, safetensors) and a tokenizer under tmp_path."""
+    """Save a random tiny `arch` model (float32, safetensors) and a tokenizer under tmp_path
+    (with extra `special_tokens` and its own `chat_template` when given)."""
     import transformers
 
-    folder = Path(tmp_path) / f"tiny-{arch.removesuffix('ForCausalLM').lower()}"
+    folder = Path(tmp_path) / (name or f"tiny-{arch.removesuffix('ForCausalLM').lower()}")
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     model_cls = getattr(transformers, arch)
     kwargs: dict[str, Any] = dict(
@@ -74,7 +78,7 @@ def make_tiny_checkpoint(
     _spread_weights(model, seed)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **save_kwargs)
-    write_tokenizer(folder)
+    write_tokenizer(folder, special_tokens, chat_template)
     return folder
 
 
@@ -97,8 +101,11 @@ def _spread_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(noise / param.shape[1] ** 0.5)
 
 
-def write_tokenizer(folder: Path) -> None:
-    """A byte-level BPE tokenizer.json (BOS added by the post-processor) and its config."""
+def write_tokenizer(
+    folder: Path, special_tokens: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE
+) -> None:
+    """A byte-level BPE tokenizer.json (BOS added by the post-processor) and its config; extra
+    special tokens take the ids after BOS (0) and EOS (1)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -106,7 +113,7 @@ def write_tokenizer(folder: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB,
-        special_tokens=[BOS, EOS],
+        special_tokens=[BOS, EOS, *special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -120,7 +127,7 @@ def write_tokenizer(folder: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
         "eos_token": {"content": EOS, "__type": "AddedToken"},
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "model_max_length": 512,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
