@@ -18,6 +18,7 @@ from opentelemetry import context as otel_context
 from ledger.hashing import to_event_hash
 from ledger.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from ledger.scheduler import Scheduler, SchedulerOutput
+from ledger.step_costs import StepCostEstimator
 from observability import (
     Attr,
     LedgerMetrics,
@@ -35,9 +36,14 @@ log = get_logger("kvledger.ledger")
 
 
 class LedgerTelemetry:
-    def __init__(self, tracer, metrics: LedgerMetrics | None) -> None:
+    def __init__(
+        self, tracer, metrics: LedgerMetrics | None, costs: StepCostEstimator | None = None
+    ) -> None:
         self.tracer = tracer
         self.metrics = metrics
+        self.costs = costs  # the queue waits feed the step costs published for routers
+        # req_id -> the prefix its router expected here, until its first admission.
+        self.expected_hits: dict[str, int] = {}
         # req_id -> traceparent, kept after a request ends: evictions link back to it.
         self.traceparents: OrderedDict[str, str | None] = OrderedDict()
         # req_id -> wall-clock ns since it (re)entered the waiting queue.
@@ -45,14 +51,23 @@ class LedgerTelemetry:
         self._stats_seen = PrefixCacheStats()
         self._evicted_blocks = 0
 
-    def request_added(self, request_id: str, traceparent: str | None, arrival_time: float) -> None:
+    def request_added(
+        self,
+        request_id: str,
+        traceparent: str | None,
+        arrival_time: float,
+        expected_cached_tokens: int | None = None,
+    ) -> None:
         self.traceparents[request_id] = traceparent
         if len(self.traceparents) > MAX_REMEMBERED_TRACES:
             self.traceparents.popitem(last=False)
         self.waiting_since[request_id] = int(arrival_time * 1e9)
+        if expected_cached_tokens is not None:
+            self.expected_hits[request_id] = expected_cached_tokens
 
     def request_finished(self, request_id: str) -> None:
         self.waiting_since.pop(request_id, None)
+        self.expected_hits.pop(request_id, None)
 
     def on_schedule(self, out: SchedulerOutput, manager: KVCacheManager) -> None:
         now = time.time_ns()
@@ -67,8 +82,8 @@ class LedgerTelemetry:
                     prefix_hit_tokens=admission.num_hit_tokens,
                     blocks_allocated=admission.num_new_blocks,
                 )
-            if self.metrics is not None and not admission.resumed:
-                self.metrics.record_queue_time(max(now - since, 0) / 1e9)
+            if not admission.resumed:
+                self._admitted(rid, admission.num_hit_tokens, max(now - since, 0) / 1e9)
             if self.tracer is None:
                 continue
             ctx = extract_context(self.traceparents.get(rid))
@@ -158,6 +173,18 @@ class LedgerTelemetry:
             evicted = sum(len(e) for e in out.evictions.values())
             if evicted:
                 self.metrics.record_evictions(evicted)
+
+    def _admitted(self, request_id: str, hit_tokens: int, waited_s: float) -> None:
+        """A request's first admission: its queue wait, and the prefix it found against the
+        one its router expected (a shortfall: the router counted blocks evicted meanwhile)."""
+        if self.costs is not None:
+            self.costs.observe_queue_wait(waited_s)
+        expected = self.expected_hits.pop(request_id, None)
+        if self.metrics is None:
+            return
+        self.metrics.record_queue_time(waited_s)
+        if expected is not None:
+            self.metrics.record_routed_hits(expected_tokens=expected, found_tokens=hit_tokens)
 
     @contextlib.contextmanager
     def _in_request(self, request_id: str) -> Iterator[None]:

@@ -250,9 +250,12 @@ async def health(request: web.Request) -> web.Response:
         body = {"status": "unavailable", "message": gw.unavailable_message(None), **gateway}
         return web.json_response(body, status=503)
     ledger = msgspec.structs.asdict(status)
-    for name in ("metrics", "v"):  # /metrics shows the counters; v is the wire's
+    # /metrics shows the counters; v is the wire's; the eviction head is for routers.
+    for name in ("metrics", "v", "eviction"):
         ledger.pop(name, None)
-    if status.num_workers == 0:  # not ready: nothing could compute a request
+    if status.costs is not None:
+        ledger["costs"] = msgspec.structs.asdict(status.costs)
+    if status.num_workers == 0 or gw.routing.not_ready() is not None:  # not ready
         body = {"status": "unavailable", "message": gw.unavailable_message(status), **gateway}
         return web.json_response({**body, "ledger": ledger}, status=503)
     return web.json_response({"status": "ok", **gateway, "ledger": ledger})

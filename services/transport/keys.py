@@ -49,6 +49,11 @@ class StreamNames:
         return f"{self.base}:ledger:status"
 
     @property
+    def ledger_eviction(self) -> str:
+        """The ledger's eviction head (`EvictionHead`), for routers; expires with the status."""
+        return f"{self.base}:ledger:eviction"
+
+    @property
     def leader(self) -> str:
         """The ledger lease: who leads this replica (engine.leadership)."""
         return f"{self.base}:ledger:leader"

@@ -153,7 +153,14 @@ class Stack:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    async def submit(self, req_id: str, prompt: list[int], max_tokens: int, **kwargs) -> None:
+    async def submit(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        expected_cached_tokens: int | None = None,
+        **kwargs,
+    ) -> None:
         self.results[req_id] = Result()
         sampling = SamplingParams(max_tokens=max_tokens, **kwargs)
         await redis_streams.append(
@@ -165,6 +172,7 @@ class Stack:
                 prompt_token_ids=prompt,
                 sampling=sampling,
                 arrival_time=time.time(),
+                expected_cached_tokens=expected_cached_tokens,
             ),
         )
 
