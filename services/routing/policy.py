@@ -416,6 +416,7 @@ class Router:
         prefix_source: PrefixSource | None = None,
         pending: PendingRequests | None = None,
         eviction_aware: bool = True,
+        rotation: int = 0,
     ) -> None:
         if not replicas:
             raise ValueError("routing needs at least one replica")
@@ -430,7 +431,9 @@ class Router:
         # queued behind others (precise hit 0.858 against approx's 0.920).
         self.pending = pending if pending is not None else PendingRequests()
         self.eviction_aware = eviction_aware
-        self._next = 0  # round robin, and the tie-break of the cost policies
+        # Round robin, and the tie-break of the cost policies. Several gateways start their
+        # rotations apart (`rotation`): routing ties at once, they would pick alike.
+        self._next = rotation % len(self.replicas)
         self._ids = itertools.count()
 
     def route(

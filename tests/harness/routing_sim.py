@@ -324,7 +324,7 @@ class RoutingSimulation:
         self.share_pending = share_pending and gateways > 1
         self.share_delay_s = share_delay_s
         self.eviction_aware = eviction_aware
-        self.routers = [self._new_router() for _ in range(gateways)]
+        self.routers = [self._new_router(g) for g in range(gateways)]
         self.restart_at = restart_at
         self.restart_window = restart_window
         self._routed = 0
@@ -348,13 +348,14 @@ class RoutingSimulation:
     def router(self) -> Router:
         return self.routers[0]
 
-    def _new_router(self) -> Router:
+    def _new_router(self, gateway: int = 0) -> Router:
         names = list(self.replicas)
         source = self.index.cached_blocks if self.policy == "precise" else self._oracle_blocks
         scorer = make_scorer(self.policy, source)
         return Router(
             scorer, names, costs=self.costs, pending=PendingRequests(),
             eviction_aware=self.eviction_aware,
+            rotation=gateway * len(names) // self.num_gateways,
         )  # fmt: skip
 
     def _oracle_blocks(self, replica: str, _event_hashes: Sequence[int]) -> int:
@@ -370,7 +371,7 @@ class RoutingSimulation:
             self.index = ReplicaPrefixIndex()
             for name, replica in self.replicas.items():
                 self.index.load_snapshot(name, replica.snapshot())
-        self.routers = [self._new_router() for _ in range(self.num_gateways)]
+        self.routers = [self._new_router(g) for g in range(self.num_gateways)]
 
     def run(self) -> SimResult:
         turns = self.workload.turns
