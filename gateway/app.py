@@ -57,7 +57,9 @@ def create_app(
         client = redis
     elif config.redis_url:
         client = redis_streams.connect_pooled(
-            config.redis_url, redis_pool_size(config.max_queue), REDIS_POOL_TIMEOUT_S
+            config.redis_url,
+            redis_pool_size(config.max_queue, len((config.replicas or "").split(","))),
+            REDIS_POOL_TIMEOUT_S,
         )
     else:
         raise ConfigError("the gateway needs Redis: set --redis-url or KVLEDGER_REDIS_URL")
@@ -91,9 +93,10 @@ def create_app(
     return app
 
 
-def redis_pool_size(max_queue: int) -> int:
-    # + the long-lived readers: one outputs reader per replica, the routing followers.
-    return min(max_queue, REDIS_POOL_MAX) + 32
+def redis_pool_size(max_queue: int, replicas: int = 1) -> int:
+    # + the long-lived readers: per replica an outputs reader, an events follower and a
+    # routing-stream reader (several gateways route as one), and a few spare.
+    return min(max_queue, REDIS_POOL_MAX) + 32 + 3 * max(replicas - 1, 0)
 
 
 async def serve(config: GatewayConfig) -> None:

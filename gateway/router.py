@@ -36,6 +36,7 @@ from services.routing.policy import (
     RouteRequest,
 )
 from services.routing.replicas import ReplicaSet, parse_replicas
+from services.routing.shared import SharedPending
 from services.transport.keys import StreamNames
 from services.wire import codec
 from services.wire.messages import LedgerStatus
@@ -197,8 +198,20 @@ class Replicas(GatewayRouting):
             costs=costs,
             prefix_source=self.replica_set.cached_blocks,
         )
+        # What every gateway sent where and is pending there, through the replicas' routing
+        # streams: several gateways route as one.
+        self.shared = SharedPending(
+            redis, replicas, self.router.pending, gateway_id, on_outage=on_outage
+        )
         self.tracer = tracer
         super().__init__(config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage)
+        shared = Gauge(
+            "kvledger:routing_shared_pending_requests",
+            "Requests other gateways routed that have not ended, as their routing streams say: "
+            "counted on their replica by this gateway's router too.",
+            registry=registry,
+        )
+        shared.set_function(self.shared.num_remote)
 
     def route(self, job: Job, req_id: str) -> Route:
         replicas = self.replica_set
@@ -235,13 +248,17 @@ class Replicas(GatewayRouting):
                                 s.evicted_blocks] for s in decision.scores},
             lags=replicas.lags(), prompt_tokens=request.num_tokens,
         )  # fmt: skip
+        self.shared.routed(req_id)
         return Route(decision.replica, chosen.cached_tokens)
 
     def release(self, req_id: str) -> None:
+        entry = self.router.pending.get(req_id)
         self.router.release(req_id)
+        if entry is not None:
+            self.shared.ended(req_id, entry.replica)
 
     def num_pending(self) -> int:
-        return len(self.router.pending)
+        return len(self.router.pending) - self.shared.num_remote()
 
     def any_routable(self) -> bool:
         """At least one replica that is not out."""
@@ -279,10 +296,12 @@ class Replicas(GatewayRouting):
     async def start(self) -> None:
         await super().start()
         await self.replica_set.start()
+        await self.shared.start()
 
     async def stop(self) -> None:
         await super().stop()
         await self.replica_set.stop()
+        await self.shared.stop()
 
 
 def routing_for(

@@ -29,6 +29,7 @@ from services.http_server import CappedSite, connection_cap, limits_of, runner_o
 from services.routing.costs import MeasuredCosts
 from services.routing.policy import HealthLimits, Precise, ReplicaHealth, Router, RouteRequest
 from services.routing.replicas import ReplicaSet, parse_replicas
+from services.routing.shared import SharedPending
 from services.tokenization.tokenizer import Tokenizer, load_tokenizer
 from services.transport import redis_streams
 
@@ -36,6 +37,7 @@ log = get_logger("indexer")
 
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 ROUTER = web.AppKey("router", Router)
+SHARED = web.AppKey("shared", SharedPending)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -143,6 +145,9 @@ async def health(request: web.Request) -> web.Response:
             "last_error": state.last_error,
         }
     ok = any(r["health"] == ReplicaHealth.LIVE.value for r in report.values())
+    pending = request.app[ROUTER].pending
+    for name in report:
+        report[name]["pending_requests"] = pending.on(name)
     return web.json_response(
         {"status": "ok" if ok else "unavailable", "replicas": report}, status=200 if ok else 503
     )

@@ -274,6 +274,12 @@ class PendingRequests:
     def ids(self, owner: str | None = None) -> list[str]:
         return [r for r, e in self._requests.items() if owner is None or e.owner == owner]
 
+    def ids_on(self, replica: str, owner: str | None = None) -> list[str]:
+        entries = self._sent_at.get(replica)
+        if entries is None:
+            return []
+        return [r for r, e in entries.items() if owner is None or e.owner == owner]
+
     def cached_blocks(self, replica: str, block_hashes: Sequence[int]) -> int:
         blocks = self._blocks.get(replica)
         if not blocks:

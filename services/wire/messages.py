@@ -2,6 +2,7 @@
 
 Streams (names in `services.transport.keys.StreamNames`):
   requests  gateway -> ledger   GenerateRequest, AbortRequest
+  routing   gateway -> gateways, indexers   Routed, RoutedEnded, RoutingAlive
   steps     ledger  -> workers  StepMessage (one per scheduler step), WorkerShutdown
   results   workers -> ledger   WorkerHello (registration with capacity), StepResult
   outputs   ledger  -> gateway  OutputBatch per step, RequestOutput for aborts (one stream per gateway)
@@ -243,6 +244,33 @@ class EvictionHead(Message, tag="eviction_head"):
     hashes: list[int]
     horizon: int
     queued_prefill_tokens: int = 0
+
+
+class Routed(Message, tag="routed"):
+    """A gateway sent a request to this replica (the replica's routing stream, shared by every
+    gateway and indexer: `services.routing.shared`). Re-sent while the request lasts, so that
+    a reader joining late finds it within the last SHARED_TTL_S."""
+
+    gateway_id: str
+    req_id: str
+    sent_at: float  # wall clock: what the replica's status counts from its updated_at on
+    block_hashes: list[int]  # the routable blocks, KV-event form: held there until it ends
+    prefill_tokens: int  # what the router expected it to prefill there
+
+
+class RoutedEnded(Message, tag="routed_ended"):
+    """Requests a gateway had sent to this replica have ended."""
+
+    gateway_id: str
+    req_ids: list[str]
+
+
+class RoutingAlive(Message, tag="routing_alive"):
+    """A gateway's heartbeat on the replica's routing stream: every request it has pending
+    there. Others drop its entries not listed, and all of them once it falls silent."""
+
+    gateway_id: str
+    req_ids: list[str]
 
 
 class LedgerStatus(Message, tag="ledger_status"):
