@@ -198,6 +198,77 @@ def plot(results: list[SimResult], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def main_real_trace(args: argparse.Namespace) -> None:
+    """The public trace with real processes: one replica's single cache, then every policy
+    with one gateway and precise with three, repetitions interleaved, medians."""
+    from benchmarks.routing_real import RealConfig, run_policy
+
+    count = args.trace_count if args.trace_count is not None else 600
+    replay = TraceReplay(first=args.trace_first, count=count, vocab=256, path=Path(args.trace))
+    turns = trace_turns(replay)
+    bound = prefix_bound(turns, 16)
+    blocks = args.real_blocks if args.real_blocks > 0 else None
+    config = RealConfig(
+        replicas=args.real_replicas, num_gpu_blocks=blocks, log_dir=args.real_log_dir,
+        stale_after_s=args.real_stale_after_s,
+    )  # fmt: skip
+    variants: list[tuple[str, str, RealConfig]] = [
+        ("single cache", "round_robin", dataclasses.replace(config, replicas=1))
+    ]
+    variants += [(p, p, config) for p in args.policies.split(",") if p != "oracle"]
+    if "precise" in args.policies.split(",") and args.real_gateways > 1:
+        variants.append((f"precise, {args.real_gateways} gateways", "precise",
+                         dataclasses.replace(config, gateways=args.real_gateways)))  # fmt: skip
+    runs: dict[str, list[dict[str, object]]] = {label: [] for label, _, _ in variants}
+    for repetition in range(args.repetitions):
+        shift = repetition % len(variants)
+        for label, policy, cfg in variants[shift:] + variants[:shift]:
+            started = time.perf_counter()
+            run, _ = run_policy(cfg, turns, policy, repetition,
+                                closed_loop=args.trace_concurrency)  # fmt: skip
+            row = run.row()
+            runs[label].append(row)
+            print(f"{label:>22} rep {repetition}: {row}  ({time.perf_counter() - started:.0f} s)",
+                  flush=True)  # fmt: skip
+    summary = []
+    for label, rows in runs.items():
+        row: dict[str, object] = {"variant": label, "runs": len(rows)}
+        for key in ("hit_rate", "prefill_tokens", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s",
+                    "errors"):  # fmt: skip
+            values = sorted(float(r[key]) for r in rows)  # type: ignore[arg-type]
+            row[key] = round(statistics.median(values), 4)
+            if key == "hit_rate":
+                row["hit_rate_range"] = f"{values[0]:.4f}-{values[-1]:.4f}"
+        summary.append(row)
+    single = summary[0]
+    rr = next((r for r in summary if r["variant"] == "round_robin"), None)
+    for row in summary:
+        row["vs_single"] = round(float(row["hit_rate"]) / float(single["hit_rate"]), 3)  # type: ignore[arg-type]
+        row["vs_bound"] = round(float(row["hit_rate"]) / bound, 3)  # type: ignore[arg-type]
+        if rr is not None:
+            row["prefill_vs_rr"] = round(
+                float(row["prefill_tokens"]) / float(rr["prefill_tokens"]), 3
+            )  # type: ignore[arg-type]
+            row["ttft_p99_vs_rr"] = round(float(row["ttft_p99_s"]) / float(rr["ttft_p99_s"]), 3)  # type: ignore[arg-type]
+    text = (
+        f"Mooncake FAST'25 synthetic trace, requests {replay.first}-{replay.first + len(turns) - 1}"
+        f", 16 token ids per hash id (ids < 256), <= 32 ids, max_tokens 4, closed loop at "
+        f"{args.trace_concurrency}; {config.replicas} replicas of the tiny model, "
+        f"{'the default cache' if blocks is None else f'{blocks} blocks'} each; medians of "
+        f"{args.repetitions} interleaved run(s); bound (one infinite cache) {bound:.4f}.\n\n"
+    )
+    text += table(summary, list(summary[0]))
+    print(text)
+    out = Path(args.out + "-trace-real")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "step_model"}
+    out.with_suffix(".json").write_text(json.dumps(
+        {"settings": settings, "bound": bound, "summary": summary, "runs": runs}, indent=2))  # fmt: skip
+    out.with_suffix(".md").write_text(
+        f"`.venv/bin/python benchmarks/routing.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
+    )
+
+
 def main_real(args: argparse.Namespace) -> None:
     """Every policy on the same trace with real processes, policies interleaved per repetition."""
     from benchmarks.routing_real import RealConfig, calibrate, run_policy
@@ -336,7 +407,7 @@ def trace_main(args: argparse.Namespace) -> None:
                 "throughput_tok_s": round(result.throughput_tok_s, 1),
             })  # fmt: skip
     evictions = [] if args.no_trace_evictions else trace_evictions(work, args, closed)
-    gateways = [] if args.no_trace_gateways else trace_gateways(work, cache, published)
+    gateways = [] if args.no_gateways else gateway_rows(work, cache, published)
     columns = ["replicas", "policy", "hit_rate", "vs_single", "vs_bound", "prefill_tokens",
                "prefill_vs_rr", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s"]  # fmt: skip
     text = (
@@ -399,7 +470,7 @@ def trace_evictions(
     return rows
 
 
-def trace_gateways(
+def gateway_rows(
     work: HashedWorkload, cache: ReplicaConfig, published: dict
 ) -> list[dict[str, object]]:
     """3 gateways (requests dealt in turn) against 1: each its own router; sharing what it sent
@@ -434,7 +505,8 @@ def main() -> None:
     parser.add_argument("--trace-status-s", type=float, default=1.0,
                         help="how often each ledger publishes its status (0: current)")  # fmt: skip
     parser.add_argument("--no-trace-evictions", action="store_true")
-    parser.add_argument("--no-trace-gateways", action="store_true")
+    parser.add_argument("--no-gateways", action="store_true",
+                        help="skip the 3-gateway rows (at 8 replicas)")  # fmt: skip
     parser.add_argument("--replicas", default="8,16,64")
     parser.add_argument("--policies", default=",".join(SIM_POLICIES))
     parser.add_argument("--conversations-per-replica", type=int, default=60)
@@ -452,7 +524,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "routing"))
     parser.add_argument("--real", action="store_true", help="real processes, not the simulation")
     parser.add_argument("--real-replicas", type=int, default=4)
-    parser.add_argument("--real-blocks", type=int, default=400, help="KV blocks per replica")
+    parser.add_argument("--real-blocks", type=int, default=400,
+                        help="KV blocks per replica (0: the default cache, as `kvledger up`)")  # fmt: skip
+    parser.add_argument("--real-gateways", type=int, default=3,
+                        help="the trace's several-gateway run (precise)")  # fmt: skip
     parser.add_argument("--real-conversations", type=int, default=130)
     parser.add_argument("--real-rate", type=float, default=4.0, help="conversations per second")
     parser.add_argument("--real-system-len", default="768,1280")
@@ -463,7 +538,10 @@ def main() -> None:
                         help="gateways' debug logs (routed records) and each run's requests here")  # fmt: skip
     args = parser.parse_args()
     if args.real:
-        main_real(args)
+        if "trace" in args.workload.split(","):
+            main_real_trace(args)
+        if "tenants" in args.workload.split(","):
+            main_real(args)
         return
     if args.step_model_from:
         fitted = json.loads(Path(args.step_model_from).read_text())["step_model"]
@@ -481,6 +559,7 @@ def main() -> None:
     results: list[SimResult] = []
     settings_of: list[str] = []
     restart: list[dict[str, object]] = []
+    gateways: list[dict[str, object]] = []
     bounds: list[dict[str, object]] = []
     for replicas in [int(n) for n in args.replicas.split(",")]:
         work = workload_for(replicas, args)
@@ -498,6 +577,10 @@ def main() -> None:
                       f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
         if replicas == 8 and not args.no_restart:
             restart = restart_rows(work, args)
+        if replicas == 8 and not args.no_gateways:
+            gateways = gateway_rows(
+                work, ReplicaConfig(), {"steps": args.step_model, "status_interval_s": 1.0}
+            )
     rows = [{"setting": label, **r.row()} for label, r in zip(settings_of, results, strict=True)]
     for row, result in zip(rows, results, strict=True):
         base = next(
@@ -538,13 +621,23 @@ def main() -> None:
     if restart:
         text += "\n\nRouter restart at 8 replicas (next 200 requests vs the same requests, no restart):\n\n"
         text += table(restart, list(restart[0]))
+    if gateways:
+        text += "\n\nSeveral gateways at 8 replicas (precise, status every 1 s):\n\n"
+        text += table(gateways, list(gateways[0]))
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "step_model"}
     out.with_suffix(".json").write_text(
         json.dumps(
-            {"settings": settings, "results": rows, "bounds": bounds, "restart": restart}, indent=2
+            {
+                "settings": settings,
+                "results": rows,
+                "bounds": bounds,
+                "restart": restart,
+                "gateways": gateways,
+            },
+            indent=2,
         )
     )
     out.with_suffix(".md").write_text(
