@@ -48,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ledger.hashing import BlockHasher
+from ledger.step_costs import EVICTION_INTERVAL_S
 from services.routing.costs import RoutingWeights
 from tests.harness.routing_sim import (
     SIM_POLICIES,
@@ -458,7 +459,8 @@ def trace_evictions(
                 ).run()  # fmt: skip
                 rows.append({
                     "blocks_per_replica": blocks, "in_flight": concurrency,
-                    "status": "current" if status == 0 else f"{status:g} s (head 0.2 s)",
+                    "status": "current" if status == 0
+                    else f"{status:g} s (head {EVICTION_INTERVAL_S:g} s)",
                     "eviction_aware": aware, "hit_rate": round(result.hit_rate, 4),
                     "routed_hit_blocks": result.routed_hit_blocks,
                     "short_requests": result.shortfall_requests,

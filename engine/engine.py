@@ -120,6 +120,7 @@ class Engine:
         self.step_costs = StepCostEstimator()
         self._last_step_done = 0.0  # monotonic: when the last step's results were applied
         self._eviction_written = -1e9  # monotonic: the eviction head's last write
+        self._eviction_step = -1  # the scheduler step it was written after
         self.telemetry = LedgerTelemetry(tracer, self.metrics, self.step_costs)
         self.depth = 2 if config.async_scheduling else 1  # steps in flight at once
         self.in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = (
@@ -573,7 +574,9 @@ class Engine:
             return
         if not self.leadership.held():
             return  # the key is the leader's
-        self._eviction_written = now
+        if self.scheduler.step_id == self._eviction_step and now - self._eviction_written < 2.0:
+            return  # no step since: the free queue is as written (rewritten before it expires)
+        self._eviction_written, self._eviction_step = now, self.scheduler.step_id
         await self.r.set(self.streams.ledger_eviction, encode(self.eviction_head()), px=5000)
 
 

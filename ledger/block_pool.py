@@ -246,13 +246,15 @@ class BlockPool:
         allocations; one beyond the positions walked survives at least that many."""
         positions: list[int] = []
         hashes: list[int] = []
-        block = self.free_block_queue.head.next_free_block
+        from_bytes = int.from_bytes  # to_event_hash, inlined: this walks thousands of blocks
         tail = self.free_block_queue.tail
+        block = self.free_block_queue.head.next_free_block
         walked = 0
-        while walked < max_positions and block is not None and block is not tail:
-            if block.block_hash is not None:
+        while walked < max_positions and block is not tail and block is not None:
+            block_hash = block.block_hash
+            if block_hash is not None:
                 positions.append(walked)
-                hashes.append(to_event_hash(block.block_hash))
+                hashes.append(from_bytes(block_hash[-8:], "big"))
             walked += 1
             block = block.next_free_block
         return positions, hashes, walked

@@ -141,10 +141,10 @@ def _solve(xx: list[float], xy: list[float], terms: list[int]) -> list[float] | 
 # steps' worth of the token budget for what routers send before the next status, walked from
 # the front of the free queue (at most MAX_EVICTION_HEAD positions: ~12 bytes each on the wire).
 EVICTION_HEAD_STEPS = 4
-MAX_EVICTION_HEAD = 4096
+MAX_EVICTION_HEAD = 2048
 # How often the ledger writes its eviction head (a small key of its own, more often than its
 # status: under load the front of the free queue turns over within a second).
-EVICTION_INTERVAL_S = 0.2
+EVICTION_INTERVAL_S = 0.25
 
 
 def eviction_horizon(
