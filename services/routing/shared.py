@@ -11,8 +11,9 @@ finished are held on its replica (precise's pending credit), and a request sent 
 replica's last status is missing from that status's load. Without it, each gateway spreads a
 burst of one new prefix on its own, and double counts or misses the others' load.
 
-Nothing outlives a gateway that dies: another's entries expire `SHARED_TTL_S` after its last
-word on that replica (an entry, a heartbeat), and a heartbeat drops whatever it no longer lists
+Nothing outlives a gateway that dies: another's entries expire `SHARED_TTL_S` (6 s) after its
+last word on that replica (an entry, a heartbeat every 2 s), checked twice a second, so a dead
+gateway leaves nothing booked past 6.5 s; a heartbeat drops whatever it no longer lists
 (a release lost on the way). A request still pending after `REPUBLISH_S` is written again, so a
 reader that starts late (a restarted gateway, a new indexer) reads the last SHARED_TTL_S of each
 stream (stream ids are milliseconds) and finds everything pending. The streams are trimmed to
@@ -44,8 +45,9 @@ from services.wire.messages import Routed, RoutedEnded, RoutingAlive
 
 log = logging.getLogger(__name__)
 
-SHARED_TTL_S = 8.0  # a silent gateway's entries go this long after its last word (< 10 s)
-HEARTBEAT_S = 2.0
+SHARED_TTL_S = 6.0  # a silent gateway's entries go this long after its last word
+HEARTBEAT_S = 2.0  # three heartbeats missed before another gateway's entries expire
+EXPIRE_EVERY_S = 0.5  # so a dead gateway's entries are gone within 6.5 s of its last word
 REPUBLISH_S = SHARED_TTL_S / 2
 KEEP_S = 60.0
 MAX_OUTBOX = 20_000  # entries queued while Redis is down; the oldest go first past this
@@ -260,10 +262,12 @@ class SharedPending:
     # --- heartbeats and expiry ---------------------------------------------------------------
 
     async def _upkeep(self) -> None:
+        beat = time.monotonic()
         while True:
-            await asyncio.sleep(min(self.heartbeat_s, self.ttl_s / 4))
+            await asyncio.sleep(min(EXPIRE_EVERY_S, self.heartbeat_s, self.ttl_s / 4))
             self.expire()
-            if self.gateway_id is not None:
+            if self.gateway_id is not None and time.monotonic() - beat >= self.heartbeat_s:
+                beat = time.monotonic()
                 self.heartbeat()
 
     def expire(self) -> int:
