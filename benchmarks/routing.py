@@ -1,5 +1,18 @@
-"""Cache-aware routing at scale, by simulation: every policy on the same multi-tenant trace.
+"""Cache-aware routing at scale, by simulation: every policy on a public trace and on the
+project's own multi-tenant workload.
 
+The public trace (`--workload trace`): the Mooncake FAST'25 synthetic trace (../shared/traces,
+README there), replayed as every benchmark of this project replays it: each hash id a fixed run
+of 16 token ids, at most 32 ids per prompt, max_tokens 4, token-id prompts in arrival order,
+closed loop at 8 in flight. The whole trace at 8, 16 and 64 replicas, every policy (and precise
+under the old hand-set default weights), ledger status and eviction heads published as the
+ledgers do (1 s, 0.2 s); each row's hit rate against one replica's single cache (the same trace
+through one replica) and the trace's bound (one infinite cache), prefill tokens against round
+robin's. Then, at 8 replicas with the caches together holding 1/4 of the working set, the
+admissions that found fewer cached tokens than routed for, with and without eviction awareness;
+and 3 gateways against 1 (sharing what they sent, and not).
+
+The project's own workload (`--workload tenants`):
 The real ledger core of each replica (KVCacheManager + Scheduler) runs in one process under a
 step-time model (tests/harness/routing_sim.py); the router is services/routing/policy.py, the same code the
 gateway uses. For 8, 16 and 64 replicas and round_robin, least_loaded, approx, precise and the
@@ -13,6 +26,8 @@ against the same 200 requests in the run without a restart.
 The simulation is deterministic (the trace is replayed from its seed and nothing is timed on the
 wall clock), so one run per cell is the figure: repetitions would give identical numbers.
 
+    .venv/bin/python benchmarks/routing.py --workload trace   # results/routing-trace.{json,md}
+    .venv/bin/python benchmarks/routing.py --workload trace --replicas 8 --trace-count 1000
     .venv/bin/python benchmarks/routing.py            # writes benchmarks/results/routing.{json,md,png}
     .venv/bin/python benchmarks/routing.py --replicas 8 --policies round_robin,precise
     .venv/bin/python benchmarks/routing.py --replicas 8 --rate-per-replica 1000 --no-restart \
@@ -33,6 +48,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ledger.hashing import BlockHasher
+from ledger.step_costs import EVICTION_INTERVAL_S
+from services.routing.costs import RoutingWeights
 from tests.harness.routing_sim import (
     SIM_POLICIES,
     HashedWorkload,
@@ -41,9 +58,17 @@ from tests.harness.routing_sim import (
     SimResult,
     StepModel,
 )
-from tests.harness.routing_workload import WorkloadConfig, multi_tenant_workload
+from tests.harness.routing_workload import (
+    MOONCAKE_TRACE,
+    TraceReplay,
+    WorkloadConfig,
+    multi_tenant_workload,
+    prefix_bound,
+    trace_turns,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TRACE_MODEL_LEN = 1024
 
 # At 8 replicas, beside the default: the system settings of the real run the step model was
 # fitted on (400 KV blocks per replica; a ledger status written once a second, so the router's
@@ -174,6 +199,77 @@ def plot(results: list[SimResult], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def main_real_trace(args: argparse.Namespace) -> None:
+    """The public trace with real processes: one replica's single cache, then every policy
+    with one gateway and precise with three, repetitions interleaved, medians."""
+    from benchmarks.routing_real import RealConfig, run_policy
+
+    count = args.trace_count if args.trace_count is not None else 600
+    replay = TraceReplay(first=args.trace_first, count=count, vocab=256, path=Path(args.trace))
+    turns = trace_turns(replay)
+    bound = prefix_bound(turns, 16)
+    blocks = args.real_blocks if args.real_blocks > 0 else None
+    config = RealConfig(
+        replicas=args.real_replicas, num_gpu_blocks=blocks, log_dir=args.real_log_dir,
+        stale_after_s=args.real_stale_after_s,
+    )  # fmt: skip
+    variants: list[tuple[str, str, RealConfig]] = [
+        ("single cache", "round_robin", dataclasses.replace(config, replicas=1))
+    ]
+    variants += [(p, p, config) for p in args.policies.split(",") if p != "oracle"]
+    if "precise" in args.policies.split(",") and args.real_gateways > 1:
+        variants.append((f"precise, {args.real_gateways} gateways", "precise",
+                         dataclasses.replace(config, gateways=args.real_gateways)))  # fmt: skip
+    runs: dict[str, list[dict[str, object]]] = {label: [] for label, _, _ in variants}
+    for repetition in range(args.repetitions):
+        shift = repetition % len(variants)
+        for label, policy, cfg in variants[shift:] + variants[:shift]:
+            started = time.perf_counter()
+            run, _ = run_policy(cfg, turns, policy, repetition,
+                                closed_loop=args.trace_concurrency)  # fmt: skip
+            row = run.row()
+            runs[label].append(row)
+            print(f"{label:>22} rep {repetition}: {row}  ({time.perf_counter() - started:.0f} s)",
+                  flush=True)  # fmt: skip
+    summary = []
+    for label, rows in runs.items():
+        row: dict[str, object] = {"variant": label, "runs": len(rows)}
+        for key in ("hit_rate", "prefill_tokens", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s",
+                    "errors"):  # fmt: skip
+            values = sorted(float(r[key]) for r in rows)  # type: ignore[arg-type]
+            row[key] = round(statistics.median(values), 4)
+            if key == "hit_rate":
+                row["hit_rate_range"] = f"{values[0]:.4f}-{values[-1]:.4f}"
+        summary.append(row)
+    single = summary[0]
+    rr = next((r for r in summary if r["variant"] == "round_robin"), None)
+    for row in summary:
+        row["vs_single"] = round(float(row["hit_rate"]) / float(single["hit_rate"]), 3)  # type: ignore[arg-type]
+        row["vs_bound"] = round(float(row["hit_rate"]) / bound, 3)  # type: ignore[arg-type]
+        if rr is not None:
+            row["prefill_vs_rr"] = round(
+                float(row["prefill_tokens"]) / float(rr["prefill_tokens"]), 3
+            )  # type: ignore[arg-type]
+            row["ttft_p99_vs_rr"] = round(float(row["ttft_p99_s"]) / float(rr["ttft_p99_s"]), 3)  # type: ignore[arg-type]
+    text = (
+        f"Mooncake FAST'25 synthetic trace, requests {replay.first}-{replay.first + len(turns) - 1}"
+        f", 16 token ids per hash id (ids < 256), <= 32 ids, max_tokens 4, closed loop at "
+        f"{args.trace_concurrency}; {config.replicas} replicas of the tiny model, "
+        f"{'the default cache' if blocks is None else f'{blocks} blocks'} each; medians of "
+        f"{args.repetitions} interleaved run(s); bound (one infinite cache) {bound:.4f}.\n\n"
+    )
+    text += table(summary, list(summary[0]))
+    print(text)
+    out = Path(args.out + "-trace-real")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "step_model"}
+    out.with_suffix(".json").write_text(json.dumps(
+        {"settings": settings, "bound": bound, "summary": summary, "runs": runs}, indent=2))  # fmt: skip
+    out.with_suffix(".md").write_text(
+        f"`.venv/bin/python benchmarks/routing.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
+    )
+
+
 def main_real(args: argparse.Namespace) -> None:
     """Every policy on the same trace with real processes, policies interleaved per repetition."""
     from benchmarks.routing_real import RealConfig, calibrate, run_policy
@@ -270,8 +366,149 @@ def main_real(args: argparse.Namespace) -> None:
     )
 
 
+def trace_main(args: argparse.Namespace) -> None:
+    """The public trace: every policy at each size, eviction awareness, several gateways."""
+    replay = TraceReplay(first=args.trace_first, count=args.trace_count, path=Path(args.trace))
+    turns = trace_turns(replay)
+    work = HashedWorkload(turns, BlockHasher("sha256", seed="kvledger-routing"), 16)
+    bound = prefix_bound(turns, 16)
+    steps = args.step_model
+    # Prompts are at most 32 blocks: a model length of 1,024 leaves small caches usable.
+    cache = ReplicaConfig(num_blocks=args.trace_blocks, max_model_len=TRACE_MODEL_LEN)
+    closed = {"concurrency": args.trace_concurrency, "steps": steps}
+    published = {**closed, "status_interval_s": args.trace_status_s}
+    print(f"{len(turns)} requests from {replay.first}, {sum(len(t.prompt_token_ids) for t in turns)} "
+          f"prompt tokens in {work.distinct_blocks} distinct blocks; bound {bound:.4f}", flush=True)  # fmt: skip
+    started = time.perf_counter()
+    single = RoutingSimulation(work, "round_robin", 1, replica=cache, **closed).run()
+    print(f"single cache: hit {single.hit_rate:.4f} ({time.perf_counter() - started:.0f} s)",
+          flush=True)  # fmt: skip
+    variants = [(p, p, None) for p in args.policies.split(",")]
+    if "precise" in args.policies.split(","):
+        variants.append(("precise (weights)", "precise", RoutingWeights()))
+    rows: list[dict[str, object]] = []
+    for replicas in [int(n) for n in args.replicas.split(",")]:
+        runs = {}
+        for label, policy, costs in variants:
+            started = time.perf_counter()
+            runs[label] = RoutingSimulation(
+                work, policy, replicas, replica=cache, costs=costs, **published
+            ).run()
+            print(f"{label:>18} x {replicas:>2}: hit {runs[label].hit_rate:.4f} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
+        rr = runs.get("round_robin")
+        for label, result in runs.items():
+            rows.append({
+                "replicas": replicas, "policy": label, "hit_rate": round(result.hit_rate, 4),
+                "vs_single": round(result.hit_rate / single.hit_rate, 3),
+                "vs_bound": round(result.hit_rate / bound, 3),
+                "prefill_tokens": result.prefill_tokens,
+                "prefill_vs_rr": round(result.prefill_tokens / rr.prefill_tokens, 3) if rr else None,
+                "ttft_p50_s": round(result.ttft_p50_s, 4), "ttft_p99_s": round(result.ttft_p99_s, 4),
+                "throughput_tok_s": round(result.throughput_tok_s, 1),
+            })  # fmt: skip
+    evictions = [] if args.no_trace_evictions else trace_evictions(work, args, closed)
+    gateways = [] if args.no_gateways else gateway_rows(work, cache, published)
+    columns = ["replicas", "policy", "hit_rate", "vs_single", "vs_bound", "prefill_tokens",
+               "prefill_vs_rr", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s"]  # fmt: skip
+    text = (
+        f"Mooncake FAST'25 synthetic trace, requests {replay.first}-{replay.first + len(turns) - 1}"
+        f" ({len(turns)}), 16 tokens per hash id, <= 32 ids, max_tokens 4, closed loop at "
+        f"{args.trace_concurrency}; {args.trace_blocks} KV blocks per replica; status every "
+        f"{args.trace_status_s:g} s. One replica's single cache hits {single.hit_rate:.4f}; "
+        f"the bound (one infinite cache) is {bound:.4f}.\n\n" + table(rows, columns)
+    )
+    if evictions:
+        text += (
+            "\n\nAdmitted with fewer cached tokens than routed for (precise, 8 replicas, the "
+            "caches together 1/4 of the working set), with and without eviction awareness:\n\n"
+            + table(evictions, list(evictions[0]))
+        )
+    if gateways:
+        text += "\n\nSeveral gateways (precise, 8 replicas):\n\n" + table(
+            gateways, list(gateways[0])
+        )
+    print(text)
+    out = Path(args.out + "-trace")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "step_model"}
+    out.with_suffix(".json").write_text(json.dumps(
+        {"settings": settings, "single_hit_rate": single.hit_rate, "bound": bound,
+         "results": rows, "evictions": evictions, "gateways": gateways}, indent=2))  # fmt: skip
+    out.with_suffix(".md").write_text(
+        f"`.venv/bin/python benchmarks/routing.py {' '.join(sys.argv[1:])}`\n\n{text}\n"
+    )
+
+
+def trace_evictions(
+    work: HashedWorkload, args: argparse.Namespace, closed: dict
+) -> list[dict[str, object]]:
+    """8 replicas whose caches together hold 1/4 of the trace's working set: how many routed hit
+    blocks were not there at admission, with and without eviction awareness; at the trace's
+    closed loop, and at 64 in flight (queues at every replica)."""
+    blocks = max(work.distinct_blocks // 4 // 8, TRACE_MODEL_LEN // 16 + 1)
+    rows = []
+    for concurrency in sorted({args.trace_concurrency, 64}):
+        for status in (0.0, args.trace_status_s):
+            for aware in (True, False):
+                result = RoutingSimulation(
+                    work, "precise", 8,
+                    replica=ReplicaConfig(num_blocks=blocks, max_model_len=TRACE_MODEL_LEN),
+                    steps=closed["steps"], concurrency=concurrency, status_interval_s=status,
+                    eviction_aware=aware,
+                ).run()  # fmt: skip
+                rows.append({
+                    "blocks_per_replica": blocks, "in_flight": concurrency,
+                    "status": "current" if status == 0
+                    else f"{status:g} s (head {EVICTION_INTERVAL_S:g} s)",
+                    "eviction_aware": aware, "hit_rate": round(result.hit_rate, 4),
+                    "routed_hit_blocks": result.routed_hit_blocks,
+                    "short_requests": result.shortfall_requests,
+                    "short_blocks": result.shortfall_blocks,
+                    "short_pct": round(100 * result.shortfall_share, 3),
+                    "set_aside_blocks": result.evicted_blocks,
+                })  # fmt: skip
+                print(rows[-1], flush=True)
+    return rows
+
+
+def gateway_rows(
+    work: HashedWorkload, cache: ReplicaConfig, published: dict
+) -> list[dict[str, object]]:
+    """3 gateways (requests dealt in turn) against 1: each its own router; sharing what it sent
+    and is not finished through Redis (1 ms), or not."""
+    rows = []
+    base = None
+    for gateways, share in ((1, True), (3, True), (3, False)):
+        result = RoutingSimulation(
+            work, "precise", 8, replica=cache, gateways=gateways, share_pending=share, **published
+        ).run()
+        base = base or result
+        rows.append({
+            "gateways": gateways, "shared": share if gateways > 1 else "-",
+            "hit_rate": round(result.hit_rate, 4),
+            "vs_one_gateway": round(result.hit_rate / base.hit_rate, 4),
+            "prefill_tokens": result.prefill_tokens, "ttft_p99_s": round(result.ttft_p99_s, 4),
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="trace,tenants",
+                        help="trace (the public trace), tenants (the project's own), or both")  # fmt: skip
+    parser.add_argument("--trace", default=str(MOONCAKE_TRACE))
+    parser.add_argument("--trace-first", type=int, default=0, help="a window: its first request")
+    parser.add_argument("--trace-count", type=int, default=None, help="and length (default: all)")
+    parser.add_argument("--trace-blocks", type=int, default=32768,
+                        help="KV blocks per replica (default: holds the trace's working set)")  # fmt: skip
+    parser.add_argument("--trace-concurrency", type=int, default=8)
+    parser.add_argument("--trace-status-s", type=float, default=1.0,
+                        help="how often each ledger publishes its status (0: current)")  # fmt: skip
+    parser.add_argument("--no-trace-evictions", action="store_true")
+    parser.add_argument("--no-gateways", action="store_true",
+                        help="skip the 3-gateway rows (at 8 replicas)")  # fmt: skip
     parser.add_argument("--replicas", default="8,16,64")
     parser.add_argument("--policies", default=",".join(SIM_POLICIES))
     parser.add_argument("--conversations-per-replica", type=int, default=60)
@@ -289,7 +526,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "routing"))
     parser.add_argument("--real", action="store_true", help="real processes, not the simulation")
     parser.add_argument("--real-replicas", type=int, default=4)
-    parser.add_argument("--real-blocks", type=int, default=400, help="KV blocks per replica")
+    parser.add_argument("--real-blocks", type=int, default=400,
+                        help="KV blocks per replica (0: the default cache, as `kvledger up`)")  # fmt: skip
+    parser.add_argument("--real-gateways", type=int, default=3,
+                        help="the trace's several-gateway run (precise)")  # fmt: skip
     parser.add_argument("--real-conversations", type=int, default=130)
     parser.add_argument("--real-rate", type=float, default=4.0, help="conversations per second")
     parser.add_argument("--real-system-len", default="768,1280")
@@ -300,7 +540,10 @@ def main() -> None:
                         help="gateways' debug logs (routed records) and each run's requests here")  # fmt: skip
     args = parser.parse_args()
     if args.real:
-        main_real(args)
+        if "trace" in args.workload.split(","):
+            main_real_trace(args)
+        if "tenants" in args.workload.split(","):
+            main_real(args)
         return
     if args.step_model_from:
         fitted = json.loads(Path(args.step_model_from).read_text())["step_model"]
@@ -310,9 +553,15 @@ def main() -> None:
     args.step_model = StepModel(
         args.decode_step_ms / 1000, args.prefill_token_ms / 1000, args.decode_seq_ms / 1000
     )
+    workloads = args.workload.split(",")
+    if "trace" in workloads:
+        trace_main(args)
+    if "tenants" not in workloads:
+        return
     results: list[SimResult] = []
     settings_of: list[str] = []
     restart: list[dict[str, object]] = []
+    gateways: list[dict[str, object]] = []
     bounds: list[dict[str, object]] = []
     for replicas in [int(n) for n in args.replicas.split(",")]:
         work = workload_for(replicas, args)
@@ -330,6 +579,10 @@ def main() -> None:
                       f"({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
         if replicas == 8 and not args.no_restart:
             restart = restart_rows(work, args)
+        if replicas == 8 and not args.no_gateways:
+            gateways = gateway_rows(
+                work, ReplicaConfig(), {"steps": args.step_model, "status_interval_s": 1.0}
+            )
     rows = [{"setting": label, **r.row()} for label, r in zip(settings_of, results, strict=True)]
     for row, result in zip(rows, results, strict=True):
         base = next(
@@ -370,13 +623,23 @@ def main() -> None:
     if restart:
         text += "\n\nRouter restart at 8 replicas (next 200 requests vs the same requests, no restart):\n\n"
         text += table(restart, list(restart[0]))
+    if gateways:
+        text += "\n\nSeveral gateways at 8 replicas (precise, status every 1 s):\n\n"
+        text += table(gateways, list(gateways[0]))
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "step_model"}
     out.with_suffix(".json").write_text(
         json.dumps(
-            {"settings": settings, "results": rows, "bounds": bounds, "restart": restart}, indent=2
+            {
+                "settings": settings,
+                "results": rows,
+                "bounds": bounds,
+                "restart": restart,
+                "gateways": gateways,
+            },
+            indent=2,
         )
     )
     out.with_suffix(".md").write_text(

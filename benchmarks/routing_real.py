@@ -1,10 +1,13 @@
-"""Routing with real processes: replicas of the tiny model on this machine, one gateway in front.
+"""Routing with real processes: replicas of the tiny model on this machine, gateways in front.
 
 Each run starts a fresh redis-server, N ledger + worker pairs (`--replica r0..`, each its own KV
-cache, `KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE` small enough that the system prompts do not all fit, so
-eviction matters) and one gateway under the policy, then replays the seeded multi-tenant trace
-(tests/harness/routing_workload.py) open loop over streaming HTTP: a conversation's first turn at its
-arrival time, a follow-up its think time after the previous turn's last token. Figures per run:
+cache: `KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE` small enough that the system prompts do not all fit, so
+eviction matters, or the default cache `kvledger up` gives a CPU worker) and one gateway (or
+several, routing as one, each request sent to the next in turn) under the policy, then replays
+either the seeded multi-tenant trace (tests/harness/routing_workload.py) open loop over
+streaming HTTP, a conversation's first turn at its arrival time, a follow-up its think time
+after the previous turn's last token; or the public trace (`closed_loop`: the requests in order,
+`concurrency` in flight, the next sent as one ends). Figures per run:
 prefill tokens computed and prefix hit rate (every ledger's vllm:prefix_cache_* counters), TTFT
 p50/p99 (first streamed token), output tokens/s (wall clock, first send to last token), and each
 request's cached tokens (usage.prompt_tokens_details.cached_tokens). A run may restart the
@@ -43,7 +46,9 @@ PREFIX = "kvl"
 @dataclass(frozen=True, slots=True)
 class RealConfig:
     replicas: int = 4
-    num_gpu_blocks: int = 400
+    num_gpu_blocks: int | None = 400  # None: the default cache (kv_cache_memory)
+    kv_cache_memory: str = "256MiB"  # what `kvledger up` gives a CPU worker
+    gateways: int = 1
     max_model_len: int = 4096
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
@@ -57,7 +62,7 @@ class RealConfig:
 
 
 class Stack:
-    """redis-server + N ledger/worker pairs + one gateway, as separate processes."""
+    """redis-server + N ledger/worker pairs + the gateways, as separate processes."""
 
     def __init__(self, config: RealConfig, policy: str) -> None:
         self.config, self.policy = config, policy
@@ -65,8 +70,12 @@ class Stack:
         self.server = RedisServer()
         self.procs: list[ServiceProcess] = []
         self.metrics_urls: list[str] = []
-        self.gateway: ServiceProcess | None = None
-        self.url = ""
+        self.gateways: list[ServiceProcess] = []
+        self.urls: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
 
     def __enter__(self) -> Stack:
         try:
@@ -88,6 +97,10 @@ class Stack:
             "KVLEDGER_MAX_NUM_SEQS": str(self.config.max_num_seqs),
             "KVLEDGER_MAX_NUM_BATCHED_TOKENS": str(self.config.max_num_batched_tokens),
         }  # fmt: skip
+        if self.config.num_gpu_blocks is not None:
+            self.base["KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE"] = str(self.config.num_gpu_blocks)
+        else:
+            self.base["KVLEDGER_KV_CACHE_MEMORY_BYTES"] = self.config.kv_cache_memory
         for name in self.names:
             port = free_port()
             env = {**self.base, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(port)}
@@ -103,7 +116,7 @@ class Stack:
             if time.monotonic() > deadline:
                 raise RuntimeError("replicas never got their workers")
             time.sleep(0.5)
-        self.start_gateway()
+        self.start_gateways()
 
     def _has_worker(self, name: str) -> bool:
         from services.transport.keys import StreamNames
@@ -113,11 +126,17 @@ class Stack:
         return bool(data) and codec.decode(data, LedgerStatus).num_workers > 0  # type: ignore[arg-type]
 
     def _check_alive(self) -> None:
-        for proc in [*self.procs, *([self.gateway] if self.gateway else [])]:
+        for proc in [*self.procs, *self.gateways]:
             if proc.process is not None and proc.process.poll() is not None:
                 raise RuntimeError(f"{proc.role} exited: {''.join(proc.lines[-15:])}")
 
-    def start_gateway(self) -> None:
+    def start_gateways(self) -> None:
+        self.gateways, self.urls = [], []
+        for index in range(self.config.gateways):
+            self.start_gateway(index)
+        time.sleep(1.0)  # the routing view: snapshots loaded, streams followed
+
+    def start_gateway(self, index: int = 0) -> None:
         port = free_port()
         env = {**self.base, "KVLEDGER_PORT": str(port), "KVLEDGER_REPLICAS": ",".join(self.names),
                "KVLEDGER_ROUTING": self.policy, "KVLEDGER_MAX_QUEUE": "100000",
@@ -127,14 +146,16 @@ class Stack:
         log_path = None
         if self.config.log_dir is not None:
             env["KVLEDGER_LOG_LEVEL"] = "debug"
-            log_path = Path(self.config.log_dir) / f"{self.policy}-gateway.log"
-        self.gateway = ServiceProcess("gateway", env, log_path, keep_lines=200).start()
-        self.url = f"http://127.0.0.1:{port}"
+            log_path = Path(self.config.log_dir) / f"{self.policy}-gateway{index}.log"
+        gateway = ServiceProcess("gateway", env, log_path, keep_lines=200).start()
+        url = f"http://127.0.0.1:{port}"
+        self.gateways.append(gateway)
+        self.urls.append(url)
         deadline = time.monotonic() + 120
         while True:
             self._check_alive()
             try:
-                with urllib.request.urlopen(f"{self.url}/ping", timeout=5) as reply:
+                with urllib.request.urlopen(f"{url}/ping", timeout=5) as reply:
                     if reply.status == 200:
                         break
             except OSError:
@@ -142,12 +163,11 @@ class Stack:
             if time.monotonic() > deadline:
                 raise RuntimeError("the gateway never answered /ping")
             time.sleep(0.3)
-        time.sleep(1.0)  # the routing view: snapshots loaded, streams followed
 
     def restart_gateway(self) -> None:
-        assert self.gateway is not None
-        self.gateway.stop()
-        self.start_gateway()
+        for gateway in self.gateways:
+            gateway.stop()
+        self.start_gateways()
 
     def prefix_counters(self) -> tuple[float, float, float]:
         """(queried tokens, hit tokens, preemptions) summed over every ledger."""
@@ -185,7 +205,7 @@ class Stack:
         return samples
 
     def __exit__(self, *exc: object) -> None:
-        for proc in [*([self.gateway] if self.gateway else []), *self.procs]:
+        for proc in [*self.gateways, *self.procs]:
             proc.stop()
         if hasattr(self, "client"):
             self.client.close()
@@ -322,6 +342,59 @@ async def replay(
     run.wall_s = (max(ends) - min(s.sent_at for s in run.sent)) if ends else 0.0
 
 
+async def replay_closed(
+    stack: Stack, turns: Sequence[Turn], run: RealRun, concurrency: int
+) -> None:
+    """The requests in order, `concurrency` in flight: the next is sent as one ends, to the
+    next gateway in turn (several gateways: as a load balancer in front of them would)."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=stack.config.request_timeout_s + 60)
+    order = iter(range(len(turns)))
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def client() -> None:
+            for i in order:
+                await _send(session, stack.urls[i % len(stack.urls)], turns[i], run)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    ends = [s.ended_at for s in run.sent]
+    run.wall_s = (max(ends) - min(s.sent_at for s in run.sent)) if ends else 0.0
+
+
+async def _send(session, url: str, turn: Turn, run: RealRun) -> Sent:
+    import aiohttp
+
+    sent = Sent(turn.request_id, len(turn.prompt_token_ids), time.monotonic())
+    run.sent.append(sent)
+    body = {
+        "prompt": list(turn.prompt_token_ids), "max_tokens": turn.max_tokens,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True,
+    }  # fmt: skip
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                sent.error = f"{resp.status}: {(await resp.text())[:200]}"
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices")
+                if choices and choices[0].get("token_ids") and sent.ttft_s is None:
+                    sent.ttft_s = time.monotonic() - sent.sent_at
+                if usage := chunk.get("usage"):
+                    sent.output_tokens = usage["completion_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    sent.cached_tokens = details.get("cached_tokens") or 0
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        sent.error = f"{type(exc).__name__}: {exc}"
+    sent.ended_at = time.monotonic()
+    return sent
+
+
 def run_policy(
     config: RealConfig,
     turns: Sequence[Turn],
@@ -329,11 +402,15 @@ def run_policy(
     repetition: int,
     *,
     restart_after: int | None = None,
+    closed_loop: int | None = None,
 ) -> tuple[RealRun, list[tuple[int, int, float]]]:
     with Stack(config, policy) as stack:
         run = RealRun(policy, repetition)
         before = stack.prefix_counters()
-        asyncio.run(replay(stack, turns, run, restart_after=restart_after))
+        if closed_loop is not None:
+            asyncio.run(replay_closed(stack, turns, run, closed_loop))
+        else:
+            asyncio.run(replay(stack, turns, run, restart_after=restart_after))
         time.sleep(1.5)  # the ledgers' counters follow their last step
         after = stack.prefix_counters()
         run.queried, run.hits, run.preemptions = (a - b for a, b in zip(after, before, strict=True))

@@ -45,6 +45,7 @@ from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import Request, RequestStatus
 from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.step_costs import EVICTION_INTERVAL_S, StepCostEstimator, eviction_horizon
 from observability import LedgerMetrics, get_logger, in_trace, new_registry
 from services.config import LedgerConfig
 from services.startup import freeze_after_startup
@@ -53,9 +54,11 @@ from services.transport.keys import STEPS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
 from services.wire.messages import (
     AbortRequest,
+    EvictionHead,
     GenerateRequest,
     LedgerStatus,
     RequestOutput,
+    RoutingCosts,
     StepResult,
     WorkerHello,
 )
@@ -119,7 +122,12 @@ class Engine:
         )
         self.hasher = BlockHasher(config.hash_algo) if config.enable_prefix_caching else None
         self.metrics = LedgerMetrics(new_registry(), self.model_name)
-        self.telemetry = LedgerTelemetry(tracer, self.metrics, self.scheduler)
+        # What this replica's steps cost, measured from their timings, for routers (the status).
+        self.step_costs = StepCostEstimator()
+        self._last_step_done = 0.0  # monotonic: when the last step's results were applied
+        self._eviction_written = -1e9  # monotonic: the eviction head's last write
+        self._eviction_step = -1  # the scheduler step it was written after
+        self.telemetry = LedgerTelemetry(tracer, self.metrics, self.scheduler, self.step_costs)
         self.depth = 2 if config.async_scheduling else 1  # steps in flight at once
         self.in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = (
             collections.deque()
@@ -200,7 +208,9 @@ class Engine:
             try:
                 if self.leadership.held():  # a deposed leader leaves the keys to its successor
                     await self._write_snapshot()
-                    await self.leadership.write(("DEL", self.streams.ledger_status))
+                    await self.leadership.write(
+                        ("DEL", self.streams.ledger_status), ("DEL", self.streams.ledger_eviction)
+                    )
             finally:
                 if self.zmq is not None:  # sends what is queued, then frees the endpoints
                     await asyncio.to_thread(self.zmq.close)
@@ -306,6 +316,7 @@ class Engine:
         await self._publish_events(self.manager.take_events())
         await self._flush_outputs()
         self.telemetry.update_metrics(self.scheduler, self.manager)
+        await self._write_eviction_head()
         await self.intake.wait(0.5 if self.workers else 0.2)
 
     async def _dispatch(self, out: SchedulerOutput[Tracked]) -> None:
@@ -324,16 +335,26 @@ class Engine:
     async def _while_workers_compute(
         self, out: SchedulerOutput[Tracked], scheduled_ns: int
     ) -> None:
-        """Spans, KV events, the last step's tokens and metrics, while the workers compute."""
+        """Spans, KV events, the last step's tokens, metrics and the eviction head, while the
+        workers compute."""
         self.telemetry.on_schedule(out, self.manager, scheduled_ns)
         await self._publish_events(self.manager.take_events())
         await self._flush_outputs()
         self.telemetry.update_metrics(self.scheduler, self.manager)
+        await self._write_eviction_head()
 
     def _update(self, out: SchedulerOutput[Tracked], result: StepResult, started: float) -> None:
         file_logprobs(out, result)
         self.outputs.hold(self.scheduler.update_from_output(out, result.sampled_token_ids))
-        self.metrics.record_step(time.monotonic() - started)
+        now = time.monotonic()
+        self.metrics.record_step(now - started)
+        # The time this step held the pipeline: from its dispatch, or from the previous step's
+        # end when it was dispatched while that one ran (async scheduling overlaps two).
+        occupied = now - max(started, self._last_step_done)
+        self._last_step_done = now
+        scheduled = out.num_scheduled_tokens.values()
+        decode_seqs = list(scheduled).count(1)  # a one-token chunk costs as a decode step
+        self.step_costs.observe_step(sum(scheduled) - decode_seqs, decode_seqs, occupied)
 
     async def _step_failed(self, out: SchedulerOutput[Tracked]) -> None:
         self.in_flight.clear()
@@ -614,4 +635,49 @@ class Engine:
             scheduling_policy=cfg.policy,
             async_scheduling=cfg.async_scheduling,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            costs=self.routing_costs(),
         )
+
+    def routing_costs(self) -> RoutingCosts:
+        """What routers trade a cached prefix against, for the status: O(requests)."""
+        measured = self.step_costs.estimate()
+        return RoutingCosts(
+            prefill_tokens_per_s=measured.prefill_tokens_per_s,
+            step_s_per_seq=measured.step_s_per_seq,
+            step_base_s=measured.step_base_s,
+            queue_wait_s=measured.queue_wait_s,
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(_expected_hits),
+            max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+            steps=measured.steps,
+        )
+
+    def eviction_head(self) -> EvictionHead:
+        """The cached blocks the next allocations evict, for routers: O(requests + horizon)."""
+        cfg = self.cfg
+        queued = self.scheduler.queued_prefill_tokens(_expected_hits)
+        horizon = eviction_horizon(queued, cfg.max_num_batched_tokens, cfg.block_size)
+        positions, hashes, walked = self.manager.block_pool.eviction_head(horizon)
+        return EvictionHead(
+            epoch=self.epoch, updated_at=time.time(), positions=positions, hashes=hashes,
+            horizon=walked, queued_prefill_tokens=queued,
+        )  # fmt: skip
+
+    async def _write_eviction_head(self) -> None:
+        """A few times a second, from the engine loop (which owns the pool): under load the
+        front of the free queue turns over faster than the status's once a second."""
+        now = time.monotonic()
+        if now - self._eviction_written < EVICTION_INTERVAL_S or not self.cfg.enable_prefix_caching:
+            return
+        if not self.leadership.held():
+            return  # the key is the leader's
+        if self.scheduler.step_id == self._eviction_step and now - self._eviction_written < 2.0:
+            return  # no step since: the free queue is as written (rewritten before it expires)
+        self._eviction_written, self._eviction_step = now, self.scheduler.step_id
+        await self.leadership.write(
+            ("SET", self.streams.ledger_eviction, encode(self.eviction_head()), "PX", 5000)
+        )
+
+
+def _expected_hits(request: Request[Tracked]) -> int:
+    """The prefix the router expected the request to find here (0: no router said)."""
+    return request.payload.msg.expected_cached_tokens or 0

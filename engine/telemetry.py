@@ -36,6 +36,7 @@ from ledger.hashing import to_event_hash
 from ledger.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from ledger.request import Request
 from ledger.scheduler import Admission, Preemption, Scheduler, SchedulerOutput
+from ledger.step_costs import StepCostEstimator
 from observability import (
     Attr,
     EventName,
@@ -110,10 +111,15 @@ class _Evicted:
 
 class LedgerTelemetry:
     def __init__(
-        self, tracer, metrics: LedgerMetrics | None, scheduler: Scheduler[Tracked] | None = None
+        self,
+        tracer,
+        metrics: LedgerMetrics | None,
+        scheduler: Scheduler[Tracked] | None = None,
+        costs: StepCostEstimator | None = None,
     ) -> None:
         self.tracer = tracer
         self.metrics = metrics
+        self.costs = costs  # the queue waits feed the step costs published for routers
         self.scheduler = scheduler
         self.block_size = scheduler.block_size if scheduler is not None else 16
         # req_id -> the span its trace continues from (sampled or not), kept after the request
@@ -220,10 +226,18 @@ class LedgerTelemetry:
                 )
         if not admission.resumed:
             queued_s = max(now - since, 0) / 1e9
+            expected = None
             if request is not None:
                 request.payload.queued_s = queued_s  # the gateway's gen_ai.latency.time_in_queue
+                expected = request.payload.msg.expected_cached_tokens
+            if self.costs is not None:
+                self.costs.observe_queue_wait(queued_s)
             if self.metrics is not None:
                 self.metrics.record_queue_time(queued_s)
+                if expected is not None:  # the router expected this prefix here: did it find it?
+                    self.metrics.record_routed_hits(
+                        expected_tokens=expected, found_tokens=admission.num_hit_tokens
+                    )
         if self.tracer is None:
             return
         parent = self._parent(rid)

@@ -59,7 +59,9 @@ def create_app(
         client = redis
     elif config.redis_url:
         client = redis_streams.connect_pooled(
-            config.redis_url, redis_pool_size(config.max_queue), REDIS_POOL_TIMEOUT_S
+            config.redis_url,
+            redis_pool_size(config.max_queue, len((config.replicas or "").split(","))),
+            REDIS_POOL_TIMEOUT_S,
         )
     else:
         raise ConfigError("the gateway needs Redis: set --redis-url or KVLEDGER_REDIS_URL")
@@ -94,9 +96,10 @@ def create_app(
     return app
 
 
-def redis_pool_size(max_queue: int) -> int:
-    # + the long-lived readers: one outputs reader per replica, the routing followers.
-    return min(max_queue, REDIS_POOL_MAX) + 32
+def redis_pool_size(max_queue: int, replicas: int = 1) -> int:
+    # + the long-lived readers: per replica an outputs reader, an events follower and a
+    # routing-stream reader (several gateways route as one), and a few spare.
+    return min(max_queue, REDIS_POOL_MAX) + 32 + 3 * max(replicas - 1, 0)
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -251,9 +254,12 @@ async def health(request: web.Request) -> web.Response:
         body = {"status": "unavailable", "message": gw.unavailable_message(None), **gateway}
         return web.json_response(body, status=503)
     ledger = msgspec.structs.asdict(status)
-    for name in ("metrics", "v"):  # /metrics shows the counters; v is the wire's
+    # /metrics shows the counters; v is the wire's; the eviction head is for routers.
+    for name in ("metrics", "v", "eviction"):
         ledger.pop(name, None)
-    if status.num_workers == 0:  # not ready: nothing could compute a request
+    if status.costs is not None:
+        ledger["costs"] = msgspec.structs.asdict(status.costs)
+    if status.num_workers == 0 or gw.routing.not_ready() is not None:  # not ready
         body = {"status": "unavailable", "message": gw.unavailable_message(status), **gateway}
         return web.json_response({**body, "ledger": ledger}, status=503)
     return web.json_response({"status": "ok", **gateway, "ledger": ledger})

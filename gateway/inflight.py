@@ -106,7 +106,8 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         # 503 here when every replica is out; pending there until __aexit__ releases it.
-        self.replica = self.gw.routing.route(self.job, self.req_id)
+        route = self.gw.routing.route(self.job, self.req_id)
+        self.replica = route.replica
         # Register before enqueueing: the first output may come back before XADD returns.
         self._queue = self.gw.outputs.register(self.req_id)
         if self.gw.closing:  # the shutdown broadcast may have gone out before registration
@@ -120,6 +121,7 @@ class Generation:
             priority=self.job.priority,
             cache_salt=self.job.cache_salt,
             traceparent=inject_traceparent(),
+            expected_cached_tokens=route.expected_cached_tokens,
         )
         # Set first: an XADD cut short (cancelled, or its reply lost) may still have landed.
         self._enqueued = True

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Tracer
@@ -26,6 +26,7 @@ from gateway.protocol import Job
 from observability import Attr, SpanName, get_logger
 from services.config import GatewayConfig
 from services.environment import ConfigError
+from services.routing.costs import CostModel, MeasuredCosts, parse_weights
 from services.routing.policy import (
     HealthLimits,
     NoReplicaError,
@@ -33,9 +34,9 @@ from services.routing.policy import (
     RouteDecision,
     Router,
     RouteRequest,
-    RoutingWeights,
 )
 from services.routing.replicas import ReplicaSet, parse_replicas
+from services.routing.shared import SharedPending
 from services.transport.keys import StreamNames
 from services.wire import codec
 from services.wire.messages import LedgerStatus
@@ -45,24 +46,15 @@ log = get_logger("gateway.router")
 RETRY_AFTER_S = 1
 
 
-def parse_weights(text: str | None) -> RoutingWeights:
-    """'waiting=256,kv_usage=2048' over the defaults; a bad item names itself."""
-    weights = RoutingWeights()
-    for item in (part.strip() for part in (text or "").split(",")):
-        if not item:
-            continue
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in ("prefix", "running", "waiting", "kv_usage"):
-            raise ValueError(
-                f"routing weight {name!r} is unknown: use prefix, running, waiting or kv_usage"
-            )
-        try:
-            setattr(weights, name, float(value))
-        except ValueError:
-            raise ValueError(f"routing weight {name}={value!r} is not a number") from None
-    weights.__post_init__()
-    return weights
+__all__ = ["GatewayRouting", "OneReplica", "Replicas", "Route", "parse_weights", "routing_for"]
+
+
+class Route(NamedTuple):
+    """Where a request goes, and the prompt tokens its router expects that replica to hold
+    (None: nothing was decided, one replica)."""
+
+    replica: str
+    expected_cached_tokens: int | None = None
 
 
 class GatewayRouting:
@@ -132,7 +124,7 @@ class GatewayRouting:
         """The outputs reader of `replica` (None or unknown: the first)."""
         return self.dispatchers.get(replica or "", self.outputs)
 
-    def route(self, job: Job, req_id: str) -> str:
+    def route(self, job: Job, req_id: str) -> Route:
         """The replica that gets this request (503 when every replica is out); it counts as
         pending there until `release`."""
         raise NotImplementedError
@@ -145,6 +137,10 @@ class GatewayRouting:
 
     def any_routable(self) -> bool:
         return True
+
+    def not_ready(self) -> str | None:
+        """Why the gateway cannot route yet (None: it can)."""
+        return None
 
     async def read_status(self) -> LedgerStatus | None:
         """The status of a ledger a request could go to (the model's limits, liveness)."""
@@ -166,9 +162,9 @@ class GatewayRouting:
 class OneReplica(GatewayRouting):
     """Every request goes to the one replica; nothing is followed."""
 
-    def route(self, job: Job, req_id: str) -> str:
+    def route(self, job: Job, req_id: str) -> Route:
         self._routed.labels(self.names[0], "single").inc()
-        return self.names[0]
+        return Route(self.names[0])
 
     async def read_status(self) -> LedgerStatus | None:
         data = cast("bytes | None", await self.redis.get(self.primary.ledger_status))
@@ -197,20 +193,32 @@ class Replicas(GatewayRouting):
         on_dead_letter: Callable[[str], None],
         on_outage: Callable[[str], None] | None,
         tracer: Tracer,
-        weights: RoutingWeights,
+        costs: CostModel,
         limits: HealthLimits,
     ) -> None:
         self.replica_set = ReplicaSet(redis, list(replicas.items()), limits=limits)
         self.router = Router(
             config.routing,
             list(replicas),
-            weights=weights,
+            costs=costs,
             prefix_source=self.replica_set.cached_blocks,
+        )
+        # What every gateway sent where and is pending there, through the replicas' routing
+        # streams: several gateways route as one.
+        self.shared = SharedPending(
+            redis, replicas, self.router.pending, gateway_id, on_outage=on_outage
         )
         self.tracer = tracer
         super().__init__(config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage)
+        shared = Gauge(
+            "kvledger:routing_shared_pending_requests",
+            "Requests other gateways routed that have not ended, as their routing streams say: "
+            "counted on their replica by this gateway's router too.",
+            registry=registry,
+        )
+        shared.set_function(self.shared.num_remote)
 
-    def route(self, job: Job, req_id: str) -> str:
+    def route(self, job: Job, req_id: str) -> Route:
         replicas = self.replica_set
         hashes: list[int] = []
         block_size = 0
@@ -239,23 +247,41 @@ class Replicas(GatewayRouting):
         self._routed_hit.labels(decision.replica, self.policy).inc(chosen.cached_tokens)
         log.debug(
             "routed", replica=decision.replica, policy=self.policy,
-            cached_tokens=chosen.cached_tokens, cost=round(chosen.cost, 1),
+            cached_tokens=chosen.cached_tokens, cost=round(chosen.cost, 4), unit=decision.unit,
             healths={score.replica: score.health.value for score in decision.scores},
-            scores={s.replica: [s.cached_tokens, round(s.load_cost, 1), round(s.cost, 1)]
-                    for s in decision.scores},
+            scores={s.replica: [s.cached_tokens, round(s.load_cost, 4), round(s.cost, 4),
+                                s.evicted_blocks] for s in decision.scores},
             lags=replicas.lags(), prompt_tokens=request.num_tokens,
         )  # fmt: skip
-        return decision.replica
+        self.shared.routed(req_id)
+        return Route(decision.replica, chosen.cached_tokens)
 
     def release(self, req_id: str) -> None:
+        entry = self.router.pending.get(req_id)
         self.router.release(req_id)
+        if entry is not None:
+            self.shared.ended(req_id, entry.replica)
 
     def num_pending(self) -> int:
-        return len(self.router.pending)
+        return len(self.router.pending) - self.shared.num_remote()
 
     def any_routable(self) -> bool:
         """At least one replica that is not out."""
         return any(h is not ReplicaHealth.OUT for h in self.replica_set.healths().values())
+
+    def not_ready(self) -> str | None:
+        """Not before every replica has published a status or been silent past the out limit,
+        nor while every one is out."""
+        waiting = self.replica_set.unsettled()
+        if waiting:
+            return (
+                f"routing waits for the first status of replica(s) {', '.join(waiting)} (at most "
+                f"{self.replica_set.limits.out_after_s:g}s, --route-out-after-s, after the "
+                "gateway started)"
+            )
+        if not self.any_routable():
+            return "every replica is out: their ledgers stopped answering or have no worker"
+        return None
 
     async def read_status(self) -> LedgerStatus | None:
         """The newest status of a replica that is not out and has a worker (the model's limits
@@ -275,10 +301,12 @@ class Replicas(GatewayRouting):
     async def start(self) -> None:
         await super().start()
         await self.replica_set.start()
+        await self.shared.start()
 
     async def stop(self) -> None:
         await super().stop()
         await self.replica_set.stop()
+        await self.shared.stop()
 
 
 def routing_for(
@@ -293,7 +321,7 @@ def routing_for(
     """One replica (the default) or several (`--replicas r0,r1,...`)."""
     try:
         replicas = dict(parse_replicas(config.replicas or config.replica, config.stream_prefix))
-        weights = parse_weights(config.routing_weights)
+        costs = parse_weights(config.routing_weights) or MeasuredCosts()
         limits = HealthLimits(config.route_stale_after_s, config.route_out_after_s)
     except ValueError as exc:
         raise ConfigError(f"gateway: {exc}") from None
@@ -301,7 +329,7 @@ def routing_for(
         return OneReplica(config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage)
     return Replicas(
         config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage, tracer,
-        weights, limits,
+        costs, limits,
     )  # fmt: skip
 
 
@@ -316,4 +344,6 @@ def _span_attributes(decision: RouteDecision) -> dict:
         Attr.ROUTE_REPLICA_CACHED_TOKENS: [s.cached_tokens for s in decision.scores],
         Attr.ROUTE_LOAD_COSTS: [float(s.load_cost) for s in decision.scores],
         Attr.ROUTE_COSTS: [float(s.cost) for s in decision.scores],
+        Attr.ROUTE_COST_UNIT: decision.unit,
+        Attr.ROUTE_EVICTED_BLOCKS: [s.evicted_blocks for s in decision.scores],
     }

@@ -129,9 +129,10 @@ class Gateway:
         while True:
             self._refuse_when_closing()
             status = await self.ledger_status()
-            # Several replicas: one must also be routable (its events followed to the end), or
-            # a gateway just started would refuse what a moment's wait lets it serve.
-            if status is not None and status.num_workers > 0 and self.routing.any_routable():
+            # Several replicas: every one must have spoken (or been silent past the out limit)
+            # and one be routable, or a gateway just started would send everything to the
+            # first replica that reported, or refuse what a moment's wait lets it serve.
+            if status is not None and status.num_workers > 0 and self.routing.not_ready() is None:
                 return status
             if time.monotonic() >= deadline:
                 log.warning(
@@ -145,6 +146,9 @@ class Gateway:
 
     def unavailable_message(self, status: LedgerStatus | None, waited_s: float = 0.0) -> str:
         waited = f" (waited {waited_s:g}s)" if waited_s else ""
+        routing = self.routing.not_ready()
+        if status is not None and status.num_workers > 0 and routing is not None:
+            return f"the gateway is not ready: {routing}{waited}."
         if status is not None:
             return (
                 f"the ledger is running but has no worker to compute on{waited}. Start one with "

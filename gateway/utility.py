@@ -87,7 +87,8 @@ def add_utility_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -
         # vLLM's /ping is its /health: 200 with an empty body while the engine can serve.
         gw = request.app[gateway_key]
         status = await gw.ledger_status(max_age_s=0)
-        return web.Response(status=200 if status is not None and status.num_workers else 503)
+        ready = status is not None and status.num_workers and gw.routing.not_ready() is None
+        return web.Response(status=200 if ready else 503)
 
     async def openapi(_: web.Request) -> web.Response:
         return web.json_response(openapi_document(kvledger_version()))

@@ -15,6 +15,7 @@ import asyncio
 import json
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -27,8 +28,10 @@ from observability.ratelimit import RateLimitedLog
 from services.config import IndexerConfig
 from services.environment import ConfigError
 from services.http_server import CappedSite, connection_cap, limits_of, runner_options
-from services.routing.policy import HealthLimits, ReplicaHealth
+from services.routing.costs import MeasuredCosts
+from services.routing.policy import HealthLimits, Precise, ReplicaHealth, Router, RouteRequest
 from services.routing.replicas import ReplicaSet, parse_replicas
+from services.routing.shared import SharedPending
 from services.tokenization.load import load_tokenizer
 from services.tokenization.tokenizer import Tokenizer
 from services.transport import redis_streams
@@ -37,6 +40,8 @@ from services.transport.registry import known_replicas
 log = get_logger("indexer")
 
 REPLICAS = web.AppKey("replicas", ReplicaSet)
+ROUTER = web.AppKey("router", Router)
+SHARED = web.AppKey("shared", SharedPending)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -54,6 +59,10 @@ def create_app(config: IndexerConfig, redis: aioredis.Redis | None = None) -> we
     replica_set = ReplicaSet(client, replicas, checkpoint_dir=config.checkpoint_dir, limits=limits)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
     app[REPLICAS] = replica_set
+    # The gateway's precise policy and measured costs, asked to score, never to route.
+    app[ROUTER] = Router(
+        Precise(replica_set.cached_blocks), replica_set.names, costs=MeasuredCosts()
+    )
     app[TOKENIZER] = load_tokenizer(config.model)
 
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
@@ -70,35 +79,54 @@ def create_app(config: IndexerConfig, redis: aioredis.Redis | None = None) -> we
 
 
 async def score(request: web.Request) -> web.Response:
+    """Each replica's prefix for the prompt and what sending it there would cost; `best` the
+    cheapest when some replica holds a prefix of it, null when none does (then the choice is
+    load balancing, which a stateless answer cannot share out: every router following a
+    `best` of equals would send every new prompt to the same replica)."""
     try:
         body = await request.json()
     except json.JSONDecodeError as exc:
-        raise _bad_request(f"body: not JSON ({exc.msg} at character {exc.pos})") from None
+        raise _bad_request(f"body: not JSON ({exc.msg} at character {exc.pos})", None) from None
     try:
         wanted = read_score_request(body, request.app[TOKENIZER])
     except ScoreRequestError as exc:
-        raise _bad_request(str(exc)) from None
-    replicas = request.app[REPLICAS]
+        raise _bad_request(str(exc), exc.param) from None
+    replicas, router = request.app[REPLICAS], request.app[ROUTER]
+    loads, healths, now = replicas.loads(), replicas.healths(), time.time()
+    router.costs.prepare(loads)
     scores: dict[str, dict] = {}
-    tokens: dict[str, int] = {}
+    costs: dict[str, float] = {}
+    held = False
     for name in replicas.names:
-        health = replicas.health(name)
+        health = healths[name]
         hashes = replicas.block_hashes(name, wanted.token_ids, wanted.cache_salt)
         status = replicas.replicas[name].status
-        cached = replicas.cached_blocks(name, hashes) if hashes is not None else 0
         block_size = status.block_size if status is not None else None
-        cached_tokens = cached * block_size if block_size else 0
+        cached = replicas.cached_blocks(name, hashes) if hashes is not None else 0
+        route = RouteRequest(len(wanted.token_ids), hashes or [], block_size or 1)
+        scored = router.score(name, route, loads, healths, now)
         scores[name] = {
             "cached_blocks": cached,
-            "cached_tokens": cached_tokens,
+            "cached_tokens": cached * block_size if block_size else 0,
             "block_size": block_size,
             "health": health.value,
+            "expected_cached_tokens": scored.cached_tokens if block_size else 0,
+            "evicted_blocks": scored.evicted_blocks,
+            "pending_requests": router.pending.on(name),
+            "load_cost": round(scored.load_cost, 6),
+            "cost": round(scored.cost, 6),
         }
         if health is not ReplicaHealth.OUT:
-            tokens[name] = cached_tokens
-    best = max(tokens, key=lambda n: tokens[n], default=None)
+            costs[name] = scored.cost
+            held = held or scored.cached_blocks > 0
+    best = min(costs, key=lambda n: costs[n]) if held else None
     return web.json_response(
-        {"num_tokens": len(wanted.token_ids), "best": best, "replicas": scores}
+        {
+            "num_tokens": len(wanted.token_ids),
+            "best": best,
+            "cost_unit": router.costs.unit,
+            "replicas": scores,
+        }
     )
 
 
@@ -121,6 +149,9 @@ async def health(request: web.Request) -> web.Response:
             "last_error": state.last_error,
         }
     ok = any(r["health"] == ReplicaHealth.LIVE.value for r in report.values())
+    pending = request.app[ROUTER].pending
+    for name in report:
+        report[name]["pending_requests"] = pending.on(name)
     return web.json_response(
         {"status": "ok" if ok else "unavailable", "replicas": report}, status=200 if ok else 503
     )
@@ -137,16 +168,20 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(exc.status, exc.text or exc.reason)
 
 
-def _bad_request(message: str) -> web.HTTPBadRequest:
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The gateway's error shape (gateway/bodies.py): message, type, param, code (the status)."""
+    kind = "invalid_request_error" if status < 500 else "internal_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _bad_request(message: str, param: str | None) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(
-        text=json.dumps({"error": {"message": message, "type": "invalid_request_error"}}),
-        content_type="application/json",
+        text=json.dumps(error_body(400, message, param)), content_type="application/json"
     )
 
 
 def _error(status: int, message: str) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "internal_error"
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+    return web.json_response(error_body(status, message), status=status)
 
 
 async def _hint_at_replicas(config: IndexerConfig) -> None:

@@ -2,7 +2,9 @@
 
 Starts a private redis-server on a free loopback port (unless --redis-url is given), then the
 ledger, one worker and the gateway as child processes (with --replicas N: a ledger and a worker
-per replica r0..rN-1, and one gateway routing across them); waits until the ledger has sized its pool,
+per replica r0..rN-1, and one gateway routing across them; with --gateways N: N gateways on
+consecutive ports from --port, each with its own --max-queue, routing as one through Redis);
+waits until the ledger has sized its pool,
 prints the capacity line, the URL and a curl example. From then on `kvledger.supervisor` restarts
 any child that exits (capped exponential backoff, one line each time) until Ctrl-C or SIGTERM,
 which stop everything it started. Each ledger's /metrics and /health listen on 127.0.0.1 unless
@@ -91,6 +93,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "r0..rN-1; the gateway routes across them (default: 1, named default)",
     )
     p.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateways to start, on consecutive ports from --port, each with its own "
+        "--max-queue; with several replicas they route as one (what each sends where is "
+        "shared through Redis)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -114,11 +124,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_up)
 
 
-def role_flags(args: argparse.Namespace, role: str) -> list[str]:
-    """The flags given to `up` that `role` declares, as that role's command line."""
+def role_flags(
+    args: argparse.Namespace, role: str, skip: frozenset[str] = frozenset()
+) -> list[str]:
+    """The flags given to `up` that `role` declares, as that role's command line (less the
+    fields in `skip`, which `up` sets per child)."""
     argv = []
     for f in flag_fields(ROLE_CONFIGS[role]):
-        if f.name in UP_OWNS or f.name in PER_REPLICA:
+        if f.name in UP_OWNS or f.name in PER_REPLICA or f.name in skip:
             continue
         value = getattr(args, _dest_of(args, flag_of(f)), None)
         if value is not None:
@@ -220,6 +233,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print(f"kvledger up: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
         return 2
+    if args.gateways < 1:
+        print(f"kvledger up: --gateways must be at least 1, got {args.gateways}", file=sys.stderr)
+        return 2
     if args.tensor_parallel_size < 1:
         print(
             f"kvledger up: --tensor-parallel-size must be at least 1, got "
@@ -236,15 +252,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     prefix = env_.get("KVLEDGER_STREAM_PREFIX", "kvl")
     routing = args.routing or env_.get("KVLEDGER_ROUTING", "precise")
     lifeline = Lifeline()  # every child dies with this process, even one killed with SIGKILL
+    port = int(args.port or env_.get("KVLEDGER_PORT", 8000))
+    # Each gateway's port comes in its environment: the flag would give them all the same.
+    skip = frozenset({"port"}) if args.gateways > 1 else frozenset()
     supervisor = Supervisor(
         [
             Child(
                 name,
-                [sys.executable, "-m", "kvledger.cli", role, *role_flags(args, role)],
+                [sys.executable, "-m", "kvledger.cli", role, *role_flags(args, role, skip)],
                 child_env,
             )
             for name, child_env in _roles(
-                env_, replicas, ports, args.tensor_parallel_size, kv_events
+                env_, replicas, ports, args.tensor_parallel_size, kv_events, args.gateways, port
             )
             for role in [name.split("-")[0]]
         ],
@@ -261,13 +280,17 @@ def cmd_up(args: argparse.Namespace) -> int:
             if status is None:
                 return 0 if supervisor.stopping else 1
         assert status is not None
+        host = args.host or env_.get("KVLEDGER_HOST", "127.0.0.1")
         _banner(
             status,
-            args.host or env_.get("KVLEDGER_HOST", "127.0.0.1"),
-            int(args.port or env_.get("KVLEDGER_PORT", 8000)),
+            host,
+            port,
             metrics_port,
             args.metrics_host or env_.get("KVLEDGER_METRICS_HOST", "127.0.0.1"),
         )
+        if args.gateways > 1:
+            urls = ", ".join(f"http://{host}:{port + i}" for i in range(args.gateways))
+            print(f"kvledger up: {args.gateways} gateways ({urls}), routing as one", flush=True)
         if len(replicas) > 1:
             print(
                 f"kvledger up: {len(replicas)} replicas ({', '.join(replicas)}; ledger metrics "
@@ -298,14 +321,16 @@ def _roles(
     ports: list[int],
     tp_size: int = 1,
     kv_events: KVEventsConfig | None = None,
+    gateways: int = 1,
+    port: int = 8000,
 ) -> list[tuple[str, dict[str, str]]]:
     """(child name, its environment): a ledger and a worker per replica (a worker per rank
-    under tensor parallelism), then the gateway. Replica i's ledger publishes its KV events over
-    ZMQ on the configured ports + i."""
+    under tensor parallelism), then the gateways (gateway, gateway-1, ... on port, port + 1,
+    ...). Replica i's ledger publishes its KV events over ZMQ on the configured ports + i."""
     roles = []
     several = len(replicas) > 1
-    for index, (name, port) in enumerate(zip(replicas, ports, strict=True)):
-        replica_env = {**env, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(port)}
+    for index, (name, metrics_port) in enumerate(zip(replicas, ports, strict=True)):
+        replica_env = {**env, "KVLEDGER_REPLICA": name, "KVLEDGER_METRICS_PORT": str(metrics_port)}
         suffix = f"-{name}" if several else ""
         ledger_env = dict(replica_env)
         if kv_events is not None:
@@ -322,7 +347,12 @@ def _roles(
             }
             roles.append((f"worker{suffix}-tp{rank}", rank_env))
     gateway_env = {**env, "KVLEDGER_REPLICA": replicas[0], "KVLEDGER_REPLICAS": ",".join(replicas)}
-    return [*roles, ("gateway", gateway_env)]
+    if gateways == 1:
+        return [*roles, ("gateway", gateway_env)]
+    for index in range(gateways):
+        name = "gateway" if index == 0 else f"gateway-{index}"
+        roles.append((name, {**gateway_env, "KVLEDGER_PORT": str(port + index)}))
+    return roles
 
 
 REDIS_WAIT_MIN_S = 0.05  # as the services' Reconnect: doubling to 2 s

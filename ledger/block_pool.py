@@ -239,6 +239,26 @@ class BlockPool:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
 
+    def eviction_head(self, max_positions: int) -> tuple[list[int], list[int], int]:
+        """What the next `max_positions` allocations would evict: the cached blocks among the
+        first `max_positions` of the free queue, as (their positions from the front, their
+        KV-event hashes, the positions walked). A block at position p survives fewer than p + 1
+        allocations; one beyond the positions walked survives at least that many."""
+        positions: list[int] = []
+        hashes: list[int] = []
+        from_bytes = int.from_bytes  # to_event_hash, inlined: this walks thousands of blocks
+        tail = self.free_block_queue.tail
+        block = self.free_block_queue.head.next_free_block
+        walked = 0
+        while walked < max_positions and block is not tail and block is not None:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                positions.append(walked)
+                hashes.append(from_bytes(block_hash[-8:], "big"))
+            walked += 1
+            block = block.next_free_block
+        return positions, hashes, walked
+
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 

@@ -9,7 +9,7 @@ at the first request that does not fit. The whole policy is `schedule()`, read t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic
 
@@ -453,6 +453,23 @@ class Scheduler(Generic[P]):
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def queued_prefill_tokens(
+        self, expected_hits: Callable[[Request[P]], int] | None = None
+    ) -> int:
+        """Tokens still to prefill before a request arriving now is admitted, at most: every
+        waiting request's uncomputed tokens (less the prefix `expected_hits` says it will find
+        cached, when the caller knows) and what running requests have left of their prompt.
+        O(requests): for a status write, not for every step."""
+        total = 0
+        for request in self.waiting:
+            done = request.num_computed_tokens
+            if expected_hits is not None:
+                done = max(done, expected_hits(request))
+            total += max(request.num_tokens - done, 0)
+        for request in self.running:
+            total += max(request.num_tokens - request.num_computed_tokens - 1, 0)
+        return total
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))

@@ -148,6 +148,20 @@ class LedgerMetrics:
             VLLM_LABELS,
             registry=registry,
         ).labels(**self.labels)
+        self._routed_expected = self._counter(
+            "kvledger:routed_expected_hit_tokens",
+            "Prompt tokens routers expected this replica to hold when they sent it requests "
+            "(GenerateRequest.expected_cached_tokens), counted at each request's admission.",
+        )
+        self._shortfall_requests = self._counter(
+            "kvledger:routed_hit_shortfall_requests",
+            "Requests admitted with fewer cached tokens than their router expected (blocks "
+            "evicted between routing and admission, or a pending prefill not yet cached).",
+        )
+        self._shortfall_tokens = self._counter(
+            "kvledger:routed_hit_shortfall_tokens",
+            "Cached tokens routers expected and admissions did not find.",
+        )
         self._failed_requests = Counter(
             "kvledger:failed_requests",
             "Requests failed because a worker step failed with them: named by the worker "
@@ -185,6 +199,13 @@ class LedgerMetrics:
     def record_queue_time(self, seconds: float) -> None:
         """Enqueue to first admission of one request."""
         self._queue_time.observe(seconds)
+
+    def record_routed_hits(self, *, expected_tokens: int, found_tokens: int) -> None:
+        """One routed request's admission: the prefix its router expected, the one it found."""
+        self._routed_expected.inc(expected_tokens)
+        if found_tokens < expected_tokens:
+            self._shortfall_requests.inc()
+            self._shortfall_tokens.inc(expected_tokens - found_tokens)
 
     def record_evictions(self, num_blocks: int) -> None:
         self._counters["kvledger:evicted_blocks"].inc(num_blocks)

@@ -120,6 +120,8 @@ class Attr:
     ROUTE_REPLICA_CACHED_TOKENS = "kvledger.route.replica_cached_tokens"
     ROUTE_LOAD_COSTS = "kvledger.route.load_costs"
     ROUTE_COSTS = "kvledger.route.costs"
+    ROUTE_COST_UNIT = "kvledger.route.cost_unit"  # s (measured costs) or tokens (weights)
+    ROUTE_EVICTED_BLOCKS = "kvledger.route.replica_evicted_blocks"  # cached, evicted first
     RESUMED = "kvledger.resumed"  # an admission that resumes a preempted request
     EVICTED_FROM_REQUEST_IDS = "kvledger.evicted_from_request_ids"
     BLOCKS_ALLOCATED = "kvledger.blocks_allocated"

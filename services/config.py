@@ -574,8 +574,9 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
     routing_weights: str | None = _opt(
         "KVLEDGER_ROUTING_WEIGHTS",
         None,
-        "routing costs in prefill tokens, e.g. waiting=256,kv_usage=2048 (default "
-        "prefix=1,running=32,waiting=512,kv_usage=1024)",
+        "override the measured routing costs (seconds, from each ledger's status) with weights "
+        "in prefill tokens, e.g. waiting=256,kv_usage=2048 over prefix=1,running=32,"
+        "waiting=512,kv_usage=1024 (default: measured)",
     )
 
     @property

@@ -1,82 +1,96 @@
 """Cache-aware routing across replicas: which replica should serve this prompt.
 
-A replica is one ledger and its workers. Every policy turns each replica into a cost in tokens
-of prefill-equivalent work and picks the cheapest (ties go round robin, so equal replicas share):
+A replica is one ledger and its workers. A `Router` holds one policy (a `Scorer`) and one cost
+model (`services.routing.costs`): for every replica it asks the scorer how many of the request's
+leading blocks it expects there, adds what the router itself sent there and is not finished
+(`PendingRequests`), keeps only the blocks that will survive until the request is admitted (the
+replica's eviction head), prices the replica (the wait there plus the prefill of what it lacks,
+in seconds measured by the replicas by default) and lets the scorer pick (the cheapest; ties go
+round robin, so equal replicas share).
 
-    cost = prefix * (prompt tokens the replica must prefill)
-         + running * its running requests + waiting * its waiting requests
-         + kv_usage * its KV usage (0..1)
+The policies, one `Scorer` each (`POLICIES`):
 
-`round_robin` ignores the cost; `least_loaded` counts load only (every replica must prefill the
-whole prompt); `precise` takes the cached prefix from a `ReplicaPrefixIndex` fed by each
-replica's KV events (llm-d's precise prefix-cache scorer, Dynamo's KV router); `approx` from a
-router-local LRU of the blocks it sent where (llm-d's approximate scorer; it learns nothing
-about evictions and starts empty after a restart); an `oracle` (simulation only) reads each
-ledger's true prefix cache. The prompt's blocks are hashed once, exactly as the ledger will
-(`routable_block_hashes`), and only the blocks the ledger could hit count: never the last token.
+- `round_robin`: the next replica in turn, whatever it holds or does;
+- `least_loaded`: the cheapest by load alone (every replica must prefill the whole prompt);
+- `approx`: a router-local LRU of the blocks it sent where (llm-d's approximate scorer; it learns
+  nothing about evictions and starts empty after a restart);
+- `precise`: a `ReplicaPrefixIndex` fed by each replica's KV events (llm-d's precise prefix-cache
+  scorer, Dynamo's KV router), less what the replica's eviction head says goes first;
+- `oracle` (simulation only): each ledger's true prefix cache.
 
-Between two looks at a replica the router counts what it sent there itself (`PendingRequests`,
-as Dynamo's KV router counts its active requests and blocks): a request not yet finished holds
-its blocks there (being prefilled, or in use), so `precise` and the oracle count them as cached
-until the events can tell; and one sent after the load the replica last published is not in
-that load yet, so every cost policy adds it as waiting. Without either, a burst sharing one new
-prompt arrives before any event or status shows the first copy, and spreads out.
+The prompt's blocks are hashed once, exactly as the ledger will (`routable_block_hashes`), and
+only the blocks the ledger could hit count: never the last token.
+
+Between two looks at a replica the router counts what was sent there (`PendingRequests`, as
+Dynamo's KV router counts its active requests and blocks; shared by every gateway through Redis,
+`services.routing.shared`): a request not yet finished holds its blocks there (being prefilled,
+or in use), so `precise` and the oracle count them as cached until the events can tell; and one
+sent after the load the replica last published is not in that load yet, so every cost adds it.
+Without either, a burst sharing one new prompt arrives before any event or status shows the
+first copy, and spreads out.
 
 A replica whose events fall behind or whose status is old is STALE: its events index may be
-wrong, so only what this router itself sent there counts as cached (precise's pending blocks,
-approx's LRU), else load alone. One silent for longer is OUT: never chosen until it speaks again.
+wrong, so only what was sent there counts as cached (precise's pending blocks, approx's LRU),
+else load alone. One silent for longer is OUT: never chosen until it speaks again.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+from abc import ABC
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ledger.events import KVEventBatch
 from ledger.hashing import BlockHasher, to_event_hash
 from services.events.subscriber import PrefixIndex
+from services.routing.costs import (
+    CostModel,
+    EvictionView,
+    MeasuredCosts,
+    ReplicaLoad,
+    RoutingWeights,
+    SentSince,
+)
 
-POLICIES = ("round_robin", "least_loaded", "approx", "precise")
+__all__ = [
+    "POLICIES",
+    "Approx",
+    "CostModel",
+    "EvictionView",
+    "HealthLimits",
+    "LeastLoaded",
+    "MeasuredCosts",
+    "NoReplicaError",
+    "Oracle",
+    "PendingRequests",
+    "Precise",
+    "ReplicaHealth",
+    "ReplicaLoad",
+    "ReplicaPrefixIndex",
+    "ReplicaScore",
+    "RoundRobin",
+    "RouteDecision",
+    "RouteRequest",
+    "Router",
+    "RoutingWeights",
+    "Scorer",
+    "SentPrefixLRU",
+    "make_scorer",
+    "routable_block_hashes",
+]
 
 
 class NoReplicaError(RuntimeError):
     """Every replica is out: nothing can serve the request now."""
 
 
-@dataclass(slots=True)
-class RoutingWeights:
-    """Costs in prefill tokens. The defaults: a waiting request is a prefill queued ahead (about
-    half a typical 1-2k prompt); a running one slows every step a little; a full KV cache evicts
-    cached prefixes to make room, which costs about one prompt later."""
-
-    prefix: float = 1.0
-    running: float = 32.0
-    waiting: float = 512.0
-    kv_usage: float = 1024.0
-
-    def __post_init__(self) -> None:
-        for name in ("prefix", "running", "waiting", "kv_usage"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"routing weight {name} must be >= 0, got {getattr(self, name)}")
-
-
-@dataclass(slots=True)
-class ReplicaLoad:
-    """What each ledger publishes about itself, and when it measured it (`as_of`, on the clock
-    the router is given as `now`; None: current, nothing sent since is missing from it)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    as_of: float | None = None
-
-
 class ReplicaHealth(enum.Enum):
     LIVE = "live"
-    STALE = "stale"  # scored by load alone
+    STALE = "stale"  # its events index is not trusted
     OUT = "out"  # never chosen
 
 
@@ -113,11 +127,12 @@ class RouteRequest:
 class ReplicaScore:
     replica: str
     health: ReplicaHealth
-    cached_blocks: int
+    cached_blocks: int  # expected to be there at admission (pending and survival included)
     cached_tokens: int
-    load_cost: float
+    load_cost: float  # in the cost model's unit (`RouteDecision.unit`)
     cost: float
     sent_since_status: int = 0  # requests sent there after its load was measured (in load_cost)
+    evicted_blocks: int = 0  # leading blocks cached now that its next allocations evict
 
 
 @dataclass(slots=True)
@@ -125,6 +140,7 @@ class RouteDecision:
     replica: str
     policy: str
     scores: list[ReplicaScore] = field(default_factory=list)
+    unit: str = "s"  # of every cost: seconds (measured) or tokens (hand-set weights)
 
     def score_of(self, replica: str) -> ReplicaScore:
         return next(s for s in self.scores if s.replica == replica)
@@ -194,24 +210,48 @@ class SentPrefixLRU:
         return len(self._sent)
 
 
+@dataclass(slots=True)
+class Pending:
+    """One request sent and not finished."""
+
+    replica: str
+    block_hashes: Sequence[int]
+    sent_at: float
+    prefill_tokens: int  # what the router expected it to prefill there
+    owner: str = ""  # the gateway that sent it ("" this one)
+
+
 class PendingRequests:
-    """The requests this router sent that have not finished, by replica: their blocks (counted
-    per hash, so one finishing does not drop what another still holds) and when each was sent.
-    `release` when a request ends; past `capacity` the oldest is dropped, so a lost release
-    costs memory only until then."""
+    """The requests sent that have not finished, by replica: their blocks (counted per hash, so
+    one finishing does not drop what another still holds), when each was sent and what it was
+    expected to prefill. `release` when a request ends; past `capacity` the oldest is dropped,
+    so a lost release costs memory only until then."""
 
     def __init__(self, capacity: int = 65536) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._requests: OrderedDict[str, tuple[str, Sequence[int]]] = OrderedDict()
-        self._sent_at: dict[str, OrderedDict[str, float]] = {}  # replica -> id -> time, in order
+        self._requests: OrderedDict[str, Pending] = OrderedDict()
+        self._sent_at: dict[str, OrderedDict[str, Pending]] = {}  # replica -> id -> entry
         self._blocks: dict[str, Counter[int]] = {}
 
-    def add(self, request_id: str, replica: str, block_hashes: Sequence[int], at: float) -> None:
+    def add(
+        self,
+        request_id: str,
+        replica: str,
+        block_hashes: Sequence[int],
+        at: float,
+        prefill_tokens: int = 0,
+        owner: str = "",
+    ) -> None:
         self.release(request_id)
-        self._requests[request_id] = (replica, block_hashes)
-        self._sent_at.setdefault(replica, OrderedDict())[request_id] = at
+        entry = Pending(replica, block_hashes, at, prefill_tokens, owner)
+        self._requests[request_id] = entry
+        by_time = self._sent_at.setdefault(replica, OrderedDict())
+        late = bool(by_time) and next(reversed(by_time.values())).sent_at > at
+        by_time[request_id] = entry
+        if late:  # another gateway's entry, read after newer ones: keep them in time order
+            _reorder(by_time)
         self._blocks.setdefault(replica, Counter()).update(block_hashes)
         while len(self._requests) > self.capacity:
             self.release(next(iter(self._requests)))
@@ -220,14 +260,25 @@ class PendingRequests:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return False
-        replica, block_hashes = entry
-        del self._sent_at[replica][request_id]
-        blocks = self._blocks[replica]
-        for block_hash in block_hashes:
+        del self._sent_at[entry.replica][request_id]
+        blocks = self._blocks[entry.replica]
+        for block_hash in entry.block_hashes:
             blocks[block_hash] -= 1
             if blocks[block_hash] <= 0:
                 del blocks[block_hash]
         return True
+
+    def get(self, request_id: str) -> Pending | None:
+        return self._requests.get(request_id)
+
+    def ids(self, owner: str | None = None) -> list[str]:
+        return [r for r, e in self._requests.items() if owner is None or e.owner == owner]
+
+    def ids_on(self, replica: str, owner: str | None = None) -> list[str]:
+        entries = self._sent_at.get(replica)
+        if entries is None:
+            return []
+        return [r for r, e in entries.items() if owner is None or e.owner == owner]
 
     def cached_blocks(self, replica: str, block_hashes: Sequence[int]) -> int:
         blocks = self._blocks.get(replica)
@@ -238,21 +289,125 @@ class PendingRequests:
                 return index
         return len(block_hashes)
 
-    def sent_since(self, replica: str, as_of: float) -> int:
+    def sent_since(self, replica: str, as_of: float) -> SentSince:
         """Unfinished requests sent to the replica after `as_of` (newest last: a short walk)."""
-        count = 0
-        for at in reversed(self._sent_at.get(replica, {}).values()):
-            if at <= as_of:
+        sent = SentSince()
+        for entry in reversed(self._sent_at.get(replica, {}).values()):
+            if entry.sent_at <= as_of:
                 break
-            count += 1
-        return count
+            sent.requests += 1
+            sent.prefill_tokens += entry.prefill_tokens
+        return sent
+
+    def on(self, replica: str) -> int:
+        return len(self._sent_at.get(replica, ()))
 
     def __len__(self) -> int:
         return len(self._requests)
 
 
+def _reorder(entries: OrderedDict[str, Pending]) -> None:
+    ordered = sorted(entries.items(), key=lambda item: item[1].sent_at)
+    entries.clear()
+    entries.update(ordered)
+
+
 # A replica's cached prefix, in blocks, for the request's routable block hashes.
 PrefixSource = Callable[[str, Sequence[int]], int]
+
+
+class Scorer(ABC):
+    """One routing policy: what it expects each replica to hold, and how it picks.
+
+    The interface the router (the gateway's, the indexer's, the simulation's) calls. A policy
+    answers `cached_blocks`: how many of the request's leading routable blocks it believes the
+    replica holds now (0 if it does not look); the router adds what was sent there and is not
+    finished (when `counts_pending`), drops what the replica's eviction head says goes before
+    admission (when `evictions_apply`: the blocks came from the replica's events), prices each
+    replica and calls `pick` on the replicas that are not out, in rotation order. `routed`
+    tells the policy where a request went.
+    """
+
+    name: ClassVar[str]
+    counts_pending: ClassVar[bool] = False
+    evictions_apply: ClassVar[bool] = False
+
+    def cached_blocks(self, replica: str, request: RouteRequest, health: ReplicaHealth) -> int:
+        return 0
+
+    def pick(self, scores: Sequence[ReplicaScore]) -> ReplicaScore:
+        """The cheapest; of equals the first (the rotation's next)."""
+        return min(scores, key=lambda s: s.cost)
+
+    def routed(self, replica: str, request: RouteRequest) -> None:  # noqa: B027 - optional
+        """The request went to `replica`."""
+
+
+class RoundRobin(Scorer):
+    name = "round_robin"
+
+    def pick(self, scores: Sequence[ReplicaScore]) -> ReplicaScore:
+        return scores[0]
+
+
+class LeastLoaded(Scorer):
+    name = "least_loaded"
+
+
+class Approx(Scorer):
+    """The blocks this router sent where; trusted while the replica is not out (they are the
+    router's own knowledge, not the replica's)."""
+
+    name = "approx"
+
+    def __init__(self, lru: SentPrefixLRU | None = None) -> None:
+        self.lru = lru or SentPrefixLRU()
+
+    def cached_blocks(self, replica: str, request: RouteRequest, health: ReplicaHealth) -> int:
+        return self.lru.cached_blocks(replica, request.block_hashes)
+
+    def routed(self, replica: str, request: RouteRequest) -> None:
+        self.lru.record(replica, request.block_hashes)
+
+
+class Precise(Scorer):
+    """The replica's own KV events (its prefix index), trusted while it is LIVE."""
+
+    name = "precise"
+    counts_pending = True
+    evictions_apply = True
+
+    def __init__(self, source: PrefixSource) -> None:
+        self.source = source
+
+    def cached_blocks(self, replica: str, request: RouteRequest, health: ReplicaHealth) -> int:
+        if health is not ReplicaHealth.LIVE:
+            return 0
+        return self.source(replica, request.block_hashes)
+
+
+class Oracle(Precise):
+    """Simulation only: the source reads each ledger's prefix cache itself."""
+
+    name = "oracle"
+
+
+POLICIES: dict[str, type[Scorer]] = {
+    cls.name: cls for cls in (RoundRobin, LeastLoaded, Approx, Precise)
+}
+SIMULATED_POLICIES: dict[str, type[Scorer]] = {**POLICIES, Oracle.name: Oracle}
+
+
+def make_scorer(policy: str, prefix_source: PrefixSource | None = None) -> Scorer:
+    """The scorer named `policy`; precise and the oracle read `prefix_source`."""
+    cls = SIMULATED_POLICIES.get(policy)
+    if cls is None:
+        raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if issubclass(cls, Precise):
+        if prefix_source is None:
+            raise ValueError(f"the {policy} policy needs a prefix source (the replicas' index)")
+        return cls(prefix_source)
+    return cls()
 
 
 class Router:
@@ -260,35 +415,31 @@ class Router:
 
     def __init__(
         self,
-        policy: str,
+        policy: str | Scorer,
         replicas: Sequence[str],
         *,
-        weights: RoutingWeights | None = None,
+        costs: CostModel | None = None,
         prefix_source: PrefixSource | None = None,
-        lru: SentPrefixLRU | None = None,
-        pending_capacity: int = 65536,
+        pending: PendingRequests | None = None,
+        eviction_aware: bool = True,
+        rotation: int = 0,
     ) -> None:
         if not replicas:
             raise ValueError("routing needs at least one replica")
-        if policy == "approx" and lru is None:
-            lru = SentPrefixLRU()
-        if policy in ("precise", "oracle") and prefix_source is None:
-            raise ValueError(f"the {policy} policy needs a prefix source (the replicas' index)")
-        if policy not in (*POLICIES, "oracle"):
-            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.policy = policy
+        self.scorer = policy if isinstance(policy, Scorer) else make_scorer(policy, prefix_source)
+        self.policy = self.scorer.name
         self.replicas = list(replicas)
-        self.weights = weights or RoutingWeights()
-        self.lru = lru
-        self.prefix_source = lru.cached_blocks if lru is not None else prefix_source
+        self.costs = costs or MeasuredCosts()
         # Every request sent and not yet released. Its blocks count as cached for precise and
         # the oracle, whose sources see only what was computed: a queue of requests sharing a
         # new prompt must follow the first copy, not spread before its prefill ends. A small
         # LRU of sent blocks did this before and, at 64 replicas, forgot a hot prompt still
         # queued behind others (precise hit 0.858 against approx's 0.920).
-        self.pending = PendingRequests(pending_capacity)
-        self._prefix_from_pending = policy in ("precise", "oracle")
-        self._next = 0  # round robin, and the tie-break of the cost policies
+        self.pending = pending if pending is not None else PendingRequests()
+        self.eviction_aware = eviction_aware
+        # Round robin, and the tie-break of the cost policies. Several gateways start their
+        # rotations apart (`rotation`): routing ties at once, they would pick alike.
+        self._next = rotation % len(self.replicas)
         self._ids = itertools.count()
 
     def route(
@@ -304,31 +455,30 @@ class Router:
         on the clock of the loads' `as_of`."""
         n = len(self.replicas)
         order = [self.replicas[(self._next + i) % n] for i in range(n)]
-        scores = [self._score(name, request, loads, health, now) for name in order]
+        self.costs.prepare(loads)
+        scores = [self.score(name, request, loads, health, now) for name in order]
         candidates = [s for s in scores if s.health is not ReplicaHealth.OUT]
         if not candidates:
             raise NoReplicaError(
                 f"no replica can take the request: all {n} are out (their ledgers stopped "
-                "answering or their events fell behind); check `kvledger up` and Redis"
+                "answering, have not reported yet, or their events fell behind); check "
+                "`kvledger up` and Redis"
             )
-        if self.policy == "round_robin":
-            chosen = candidates[0]
-        else:
-            chosen = min(candidates, key=lambda s: s.cost)  # the first of equals: rotating
+        chosen = self.scorer.pick(candidates)
         self._next = (self.replicas.index(chosen.replica) + 1) % n
-        if self.lru is not None:
-            self.lru.record(chosen.replica, request.block_hashes)
+        self.scorer.routed(chosen.replica, request)
         if request_id is None:
             request_id = f"#{next(self._ids)}"  # never released: ages out past the capacity
-        self.pending.add(request_id, chosen.replica, request.block_hashes, now)
-        return RouteDecision(chosen.replica, self.policy, scores)
+        prefill = max(request.num_tokens - chosen.cached_tokens, 0)
+        self.pending.add(request_id, chosen.replica, request.block_hashes, now, prefill)
+        return RouteDecision(chosen.replica, self.policy, scores, self.costs.unit)
 
     def release(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed): its replica's events and status
         speak for it from now on."""
         self.pending.release(request_id)
 
-    def _score(
+    def score(
         self,
         replica: str,
         request: RouteRequest,
@@ -336,30 +486,39 @@ class Router:
         health: Mapping[str, ReplicaHealth] | None,
         now: float,
     ) -> ReplicaScore:
+        """One replica's score for the request, changing nothing (the indexer's /score)."""
         state = health.get(replica, ReplicaHealth.LIVE) if health else ReplicaHealth.LIVE
         load = loads.get(replica) or ReplicaLoad()
-        w = self.weights
-        # Sent since the replica measured its load: queued there, missing from its waiting.
-        unseen = self.pending.sent_since(replica, load.as_of) if load.as_of is not None else 0
-        load_cost = (
-            w.running * load.running
-            + w.waiting * (load.waiting + unseen)
-            + w.kv_usage * load.kv_usage
+        # Sent since the replica measured its load: queued there, missing from its figures.
+        sent = (
+            self.pending.sent_since(replica, load.as_of) if load.as_of is not None else SentSince()
         )
-        cached_blocks = 0
-        if self.policy != "least_loaded" and state is not ReplicaHealth.OUT:
-            # STALE distrusts only what comes from the replica (its events index); what this
-            # router itself sent there (approx's LRU, precise's pending blocks) is still known.
-            # Dropping that too made a loaded machine, where a ledger's 1 s status heartbeat runs
-            # late past stale_after_s, scatter a hot prefix across replicas by load alone.
-            if self.lru is not None:
-                cached_blocks = self.lru.cached_blocks(replica, request.block_hashes)
-            elif self.prefix_source is not None and state is ReplicaHealth.LIVE:
-                cached_blocks = self.prefix_source(replica, request.block_hashes)
-            if self._prefix_from_pending:
+        load_cost = self.costs.load_cost(load, sent)
+        cached_blocks = evicted = 0
+        scorer = self.scorer
+        if state is not ReplicaHealth.OUT:
+            # STALE distrusts only what comes from the replica (its events index); what was
+            # sent there (approx's LRU, precise's pending blocks) is still known. Dropping that
+            # too made a loaded machine, where a ledger's 1 s status heartbeat runs late past
+            # stale_after_s, scatter a hot prefix across replicas by load alone.
+            cached_blocks = scorer.cached_blocks(replica, request, state)
+            head = load.eviction
+            if scorer.evictions_apply and self.eviction_aware and head is not None:
+                since = (
+                    self.pending.sent_since(replica, head.as_of).prefill_tokens
+                    if head.as_of is not None
+                    else 0
+                )
+                allocations = head.allocations_before(since, request.block_size)
+                surviving = head.surviving_blocks(request.block_hashes, cached_blocks, allocations)
+                evicted, cached_blocks = cached_blocks - surviving, surviving
+            if scorer.counts_pending:
                 cached_blocks = max(
                     cached_blocks, self.pending.cached_blocks(replica, request.block_hashes)
                 )
         cached_tokens = cached_blocks * request.block_size
-        cost = w.prefix * (request.num_tokens - cached_tokens) + load_cost
-        return ReplicaScore(replica, state, cached_blocks, cached_tokens, load_cost, cost, unseen)
+        prefill = self.costs.prefill_cost(max(request.num_tokens - cached_tokens, 0), load)
+        return ReplicaScore(
+            replica, state, cached_blocks, cached_tokens, load_cost, prefill + load_cost,
+            sent.requests, evicted,
+        )  # fmt: skip

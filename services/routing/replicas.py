@@ -23,11 +23,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ledger.hashing import BlockHasher, resolve_none_hash_seed
+from ledger.step_costs import StepCosts
 from services.events.subscriber import KVEventSubscriber
+from services.routing.costs import EvictionView
 from services.routing.policy import HealthLimits, ReplicaHealth, ReplicaLoad, routable_block_hashes
 from services.transport.keys import StreamNames
 from services.wire import codec
-from services.wire.messages import LedgerStatus
+from services.wire.messages import EvictionHead, LedgerStatus
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class ReplicaState:
     status_seen_at: float | None = None
     errors: int = 0
     last_error: str | None = field(default=None)
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)  # from the status, built once per read
+    eviction_view: EvictionView | None = None  # from the eviction head, built once per write
 
     def events_lag_s(self, now: float) -> float:
         return float("inf") if self.caught_up_at is None else now - self.caught_up_at
@@ -111,12 +115,14 @@ class ReplicaSet:
         }
         self._hashers: dict[str, BlockHasher] = {}
         self._tasks: list[asyncio.Task] = []
+        self.started_at: float | None = None  # monotonic, when following began
 
     @property
     def names(self) -> list[str]:
         return list(self.replicas)
 
     async def start(self) -> None:
+        self.started_at = time.monotonic()
         for state in self.replicas.values():
             self._tasks.append(
                 asyncio.create_task(self._follow(state), name=f"follow-{state.name}")
@@ -148,6 +154,17 @@ class ReplicaSet:
             return ReplicaHealth.OUT  # a ledger without a worker cannot run a step
         return self.limits.health(lag)
 
+    def unsettled(self) -> list[str]:
+        """The replicas not heard from yet: no status since following began, and not silent for
+        out_after_s either (then they are out, and settled). A router waits for none of them
+        before it is ready: routing before every replica has spoken sends everything to the
+        first that did."""
+        if self.started_at is None:
+            return list(self.replicas)
+        if time.monotonic() - self.started_at >= self.limits.out_after_s:
+            return []
+        return [name for name, state in self.replicas.items() if state.status is None]
+
     def lags(self) -> dict[str, tuple[float, float]]:
         """Each replica's (events lag, status age) in seconds, rounded: what its health is from."""
         now, now_wall = time.monotonic(), time.time()
@@ -162,18 +179,7 @@ class ReplicaSet:
     def loads(self) -> dict[str, ReplicaLoad]:
         """Each ledger's last status, measured at its `updated_at` (up to ~1.25 s old: written
         once a second, read every status_interval_s)."""
-        loads = {}
-        for name, state in self.replicas.items():
-            status = state.status
-            usage = (status.metrics or {}).get("kv_cache_usage", 0.0) if status else 0.0
-            loads[name] = ReplicaLoad(
-                running=status.num_running if status else 0,
-                waiting=status.num_waiting if status else 0,
-                kv_usage=float(usage),
-                # The ledger's wall clock: what a router sent after it is not in these counts.
-                as_of=status.updated_at if status else None,
-            )
-        return loads
+        return {name: state.load for name, state in self.replicas.items()}
 
     def cached_blocks(self, name: str, block_hashes: Sequence[int]) -> int:
         return self.replicas[name].subscriber.index.leading_blocks(block_hashes)
@@ -225,11 +231,16 @@ class ReplicaSet:
                 await asyncio.sleep(RETRY_S)
 
     async def _read_status(self, state: ReplicaState) -> None:
-        data = cast("bytes | None", await self.r.get(state.streams.ledger_status))
+        """The ledger's status and eviction head (one round trip: both keys in its slot)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(state.streams.ledger_status)
+        pipe.get(state.streams.ledger_eviction)
+        data, head_data = cast("list[bytes | None]", await pipe.execute())
         if data is None:
             return  # no ledger now: the last status seen ages until it is OUT
         try:
-            state.status = codec.decode(data, LedgerStatus)
+            status = codec.decode(data, LedgerStatus)
+            head = codec.decode(head_data, EvictionHead) if head_data is not None else None
         except codec.WireError as exc:
             log.warning(
                 "ledger_status_unreadable replica=%s key=%s error=%s",
@@ -239,3 +250,36 @@ class ReplicaSet:
             )
             return
         state.status_seen_at = time.monotonic()
+        if head is not None and head.epoch != status.epoch:
+            head = None  # a previous ledger's: its blocks are gone
+        view = state.eviction_view
+        if head is None:
+            view = None
+        elif view is None or view.as_of != head.updated_at:  # built once per write
+            view = EvictionView.of(
+                head.positions, head.hashes, head.horizon, head.updated_at,
+                head.queued_prefill_tokens,
+            )  # fmt: skip
+        state.eviction_view = view
+        if state.status is None or status.updated_at != state.status.updated_at:
+            state.load = load_of(status)  # read 4 times per write: built once per write
+        state.load.eviction = view
+        state.status = status
+
+
+def load_of(status: LedgerStatus) -> ReplicaLoad:
+    """A router's view of a ledger's status: its load and measured costs as of `updated_at`
+    (the ledger's wall clock: what a router sent after it is not in these figures)."""
+    usage = (status.metrics or {}).get("kv_cache_usage", 0.0)
+    costs = status.costs
+    return ReplicaLoad(
+        running=status.num_running,
+        waiting=status.num_waiting,
+        kv_usage=float(usage),
+        as_of=status.updated_at,
+        costs=StepCosts(
+            costs.prefill_tokens_per_s, costs.step_s_per_seq, costs.step_base_s,
+            costs.queue_wait_s, costs.steps,
+        ) if costs is not None else None,
+        queued_prefill_tokens=costs.queued_prefill_tokens if costs is not None else 0,
+    )  # fmt: skip

@@ -63,6 +63,17 @@ class StreamNames:
         return f"{self.base}:ledger:status"
 
     @property
+    def routing(self) -> str:
+        """What every gateway sent to this replica and is pending there (Routed, RoutedEnded,
+        RoutingAlive): trimmed to the last minutes, gone once no gateway writes."""
+        return f"{self.base}:routing"
+
+    @property
+    def ledger_eviction(self) -> str:
+        """The ledger's eviction head (`EvictionHead`), for routers; expires with the status."""
+        return f"{self.base}:ledger:eviction"
+
+    @property
     def leader(self) -> str:
         """The ledger lease: who leads this replica (engine.leadership)."""
         return f"{self.base}:ledger:leader"

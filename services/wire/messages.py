@@ -2,6 +2,7 @@
 
 Streams (names in `services.transport.keys.StreamNames`):
   requests  gateway -> ledger   GenerateRequest, AbortRequest
+  routing   gateway -> gateways, indexers   Routed, RoutedEnded, RoutingAlive
   steps     ledger  -> workers  StepMessage (one per scheduler step), WorkerShutdown
   results   workers -> ledger   WorkerHello (registration with capacity), StepResult
   outputs   ledger  -> gateway  OutputBatch per step, RequestOutput for aborts (one stream per gateway)
@@ -91,6 +92,9 @@ class GenerateRequest(Message, tag="generate"):
     priority: int = 0  # lower runs first under the priority policy (vLLM's convention)
     cache_salt: str | None = None
     traceparent: str | None = None  # W3C trace context of the gateway's request span
+    # The prompt tokens the router expected this replica to hold when it chose it (None: not
+    # routed): the ledger counts an admission that finds fewer (kvledger:routed_hit_shortfall_*).
+    expected_cached_tokens: int | None = None
 
 
 class AbortRequest(Message, tag="abort"):
@@ -222,6 +226,62 @@ class OutputBatch(Message, tag="outputs"):
     outputs: list[RequestOutput]
 
 
+class RoutingCosts(Record):
+    """What the ledger measures of its own steps, for routers to trade a cached prefix against
+    load in seconds (`ledger.step_costs`); 0 where not measured yet."""
+
+    prefill_tokens_per_s: float = 0.0
+    step_s_per_seq: float = 0.0  # what each running sequence adds to a step
+    step_base_s: float = 0.0  # a step's fixed part
+    queue_wait_s: float = 0.0  # recent requests' wait from arrival to admission (decayed mean)
+    queued_prefill_tokens: int = 0  # tokens to prefill before a request arriving now (at most)
+    max_num_batched_tokens: int = 0
+    steps: int = 0  # steps measured since the ledger started
+
+
+class EvictionHead(Message, tag="eviction_head"):
+    """The cached blocks the ledger's next allocations evict: the front of its free queue at
+    `updated_at`, written to its own key (`StreamNames.ledger_eviction`) a few times a second.
+    `positions[i]` is how many free blocks come before the block of KV-event hash `hashes[i]`,
+    so it survives fewer than positions[i] + 1 allocations; every cached free block not listed
+    lies at or beyond `horizon`. `queued_prefill_tokens` were queued to prefill then: what
+    allocates before a request sent at `updated_at` is admitted."""
+
+    epoch: str
+    updated_at: float
+    positions: list[int]
+    hashes: list[int]
+    horizon: int
+    queued_prefill_tokens: int = 0
+
+
+class Routed(Message, tag="routed"):
+    """A gateway sent a request to this replica (the replica's routing stream, shared by every
+    gateway and indexer: `services.routing.shared`). Re-sent while the request lasts, so that
+    a reader joining late finds it within the last SHARED_TTL_S."""
+
+    gateway_id: str
+    req_id: str
+    sent_at: float  # wall clock: what the replica's status counts from its updated_at on
+    block_hashes: list[int]  # the routable blocks, KV-event form: held there until it ends
+    prefill_tokens: int  # what the router expected it to prefill there
+
+
+class RoutedEnded(Message, tag="routed_ended"):
+    """Requests a gateway had sent to this replica have ended."""
+
+    gateway_id: str
+    req_ids: list[str]
+
+
+class RoutingAlive(Message, tag="routing_alive"):
+    """A gateway's heartbeat on the replica's routing stream: every request it has pending
+    there. Others drop its entries not listed, and all of them once it falls silent."""
+
+    gateway_id: str
+    req_ids: list[str]
+
+
 class LedgerStatus(Message, tag="ledger_status"):
     """The ledger's heartbeat key: who is serving, with what capacity, and its live counters."""
 
@@ -243,6 +303,7 @@ class LedgerStatus(Message, tag="ledger_status"):
     scheduling_policy: str = "fcfs"  # the gateway refuses priority != 0 under fcfs, as vLLM
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
+    costs: RoutingCosts | None = None  # for routers: measured step costs and the queue
 
 
 class StoredResponse(Message, tag="stored_response"):

@@ -146,11 +146,12 @@ class FakeLedger:
     num_workers: int = 1
     scheduling_policy: str = "fcfs"
     metrics: dict[str, float] | None = None
+    replica: str = "default"
     requests: list[GenerateRequest] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
 
     async def __aenter__(self) -> FakeLedger:
-        self.streams = StreamNames(self.prefix)
+        self.streams = StreamNames(self.prefix, self.replica)
         # Every answer is its own task: they wait for a connection rather than fail past a cap.
         self.redis = redis_streams.connect_pooled(self.redis_url, 64, 30.0)
         self._answers: dict[str, asyncio.Task] = {}

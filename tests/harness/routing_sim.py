@@ -1,17 +1,27 @@
-"""Many replicas in one process: the real ledger core of each, a step-time model, one router.
+"""Many replicas in one process: the real ledger core of each, a step-time model, the routers.
 
 Each replica is a real `KVCacheManager` + `Scheduler` (vLLM 0.33's rules, prefix caching, KV
-events). Time is simulated: a step lasts `StepModel.duration` of what it computed. The router
-sees each replica's load as its ledger publishes it (running, waiting, KV usage): current at the
+events). Time is simulated: a step lasts `StepModel.duration` of what it computed. Each replica
+measures its own step costs from those durations and its requests' queue waits, with the
+ledger's own estimator (`ledger.step_costs`), and the router sees them as its ledger publishes
+them in its status (with its load, its queued prefill and its eviction head): current at the
 moment of routing by default, or, with `status_interval_s`, as last published at the end of a
 step at least that long after the previous one (the real ledger writes its status once a
 second, so a gateway's figures are up to ~1.25 s old). `precise` sees the KV events each replica
-emitted up to the end of its last step, applied to a `ReplicaPrefixIndex` exactly as the
-gateway's subscriber applies them. Every router is told when a request finishes (`release`), as
+emitted up to its last step's dispatch (the ledger publishes them while the workers compute)
+and end, applied to a `ReplicaPrefixIndex` exactly as the gateway's subscriber applies them. Every router is told when a request finishes (`release`), as
 the gateway is. The `oracle` reads every ledger's prefix cache itself instead of the events (and,
 as precise, counts what it sent and is not finished: a cache holds only what was computed). A
 router restart replaces the router mid-run: `precise` comes back from each ledger's snapshot
 (what the subscriber's checkpoint and stream id give it), `approx` with an empty LRU.
+
+Arrivals are open loop (each conversation's first turn at its time, a follow-up a think time
+after its previous turn) or, with `concurrency`, closed loop: that many requests in flight, the
+next in order sent as one ends (the public trace's replay). With `gateways` > 1 the requests go
+to the gateways in turn, each its own router; with `share_pending` (the default) what each sent
+and is not finished reaches the others `share_delay_s` later, as through Redis
+(`services.routing.shared`). Every admission is checked against what the router expected the
+replica to hold (`shortfall_*`: the ledger's kvledger:routed_hit_shortfall_* counters).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ledger.block import BlockHash
 from ledger.block_pool import BlockPool
@@ -28,13 +38,15 @@ from ledger.hashing import BlockHasher, to_event_hash
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.request import Request
 from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ledger.step_costs import EVICTION_INTERVAL_S, StepCostEstimator, eviction_horizon
+from services.routing.costs import CostModel, EvictionView
 from services.routing.policy import (
+    PendingRequests,
     ReplicaLoad,
     ReplicaPrefixIndex,
     Router,
     RouteRequest,
-    RoutingWeights,
-    SentPrefixLRU,
+    make_scorer,
 )
 from tests.harness.routing_workload import Turn
 
@@ -153,10 +165,18 @@ class SimResult:
     restart_window_hit_rate: float | None = None
     restart_window: list[str] = field(default_factory=list, repr=False)
     hit_by_request: dict[str, float] = field(default_factory=dict, repr=False)
+    routed_hit_blocks: int = 0  # blocks the routers expected the chosen replicas to hold
+    shortfall_requests: int = 0  # admitted with fewer cached tokens than expected
+    shortfall_blocks: int = 0  # expected and not found, in blocks
+    evicted_blocks: int = 0  # cached blocks the routers set aside as about to be evicted
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / max(self.prompt_tokens, 1)
+
+    @property
+    def shortfall_share(self) -> float:
+        return self.shortfall_blocks / max(self.routed_hit_blocks, 1)
 
     @property
     def throughput_tok_s(self) -> float:
@@ -183,12 +203,14 @@ class SimResult:
             "saturated_tok_s": round(self.saturated_tok_s, 1),
             "preemptions": self.preemptions,
             "restart_window_hit_rate": self.restart_window_hit_rate,
+            "shortfall_pct": round(100 * self.shortfall_share, 3),
         }
 
 
 class Replica:
     def __init__(self, name: str, config: ReplicaConfig) -> None:
         self.name = name
+        self.config = config
         self.manager = KVCacheManager(
             config.num_blocks, config.block_size, config.max_model_len, enable_kv_cache_events=True
         )
@@ -201,10 +223,36 @@ class Replica:
             self.manager,
         )
         self.busy = False
+        self.costs = StepCostEstimator()  # the ledger's own, fed by the simulated steps
+        self.expected_hits: dict[str, int] = {}  # request -> tokens its router expected here
+        self.version = 0  # bumped whenever the free queue may have changed
+        self._eviction: tuple[int, int, EvictionView] | None = None
+
+    def queued_prefill_tokens(self) -> int:
+        expected = self.expected_hits
+        return self.scheduler.queued_prefill_tokens(lambda r: expected.get(r.request_id, 0))
 
     def load(self) -> ReplicaLoad:
+        """What the ledger's status says (engine.Engine.status): the same figures, current."""
         s = self.scheduler
-        return ReplicaLoad(s.num_running, s.num_waiting, self.manager.usage)
+        queued = self.queued_prefill_tokens()
+        return ReplicaLoad(
+            s.num_running, s.num_waiting, self.manager.usage, None, self.costs.estimate(),
+            queued, self.eviction(queued),
+        )  # fmt: skip
+
+    def eviction(self, queued_prefill_tokens: int, as_of: float | None = None) -> EvictionView:
+        """What the ledger's eviction key says (engine.Engine.eviction_head)."""
+        horizon = eviction_horizon(
+            queued_prefill_tokens, self.config.max_num_batched_tokens, self.config.block_size
+        )
+        cached = self._eviction
+        if cached is None or cached[0] != self.version or cached[1] < horizon:
+            positions, hashes, walked = self.manager.block_pool.eviction_head(horizon)
+            cached = (self.version, horizon, EvictionView.of(positions, hashes, walked))
+            self._eviction = cached
+        view = cached[2]
+        return EvictionView(view.positions, view.horizon, as_of, queued_prefill_tokens)
 
     def snapshot(self) -> dict[int, int]:
         """What the ledger writes as its events snapshot: event hash -> physical blocks."""
@@ -235,6 +283,11 @@ class HashedWorkload:
             limit = (len(turn.prompt_token_ids) - 1) // block_size
             self.routable.append([to_event_hash(h) for h in hashes[:limit]])
 
+    @property
+    def distinct_blocks(self) -> int:
+        """The working set: every distinct full block of every prompt."""
+        return len({h for hashes in self.full for h in hashes})
+
 
 class RoutingSimulation:
     def __init__(
@@ -245,10 +298,16 @@ class RoutingSimulation:
         *,
         replica: ReplicaConfig = ReplicaConfig(),
         steps: StepModel = StepModel(),
-        weights: RoutingWeights | None = None,
+        costs: CostModel | None = None,
         restart_at: int | None = None,
         restart_window: int = 200,
         status_interval_s: float = 0.0,
+        eviction_interval_s: float | None = None,
+        concurrency: int | None = None,
+        gateways: int = 1,
+        share_pending: bool = True,
+        share_delay_s: float = 0.001,
+        eviction_aware: bool = True,
     ) -> None:
         if policy not in SIM_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SIM_POLICIES)}, got {policy!r}")
@@ -256,30 +315,48 @@ class RoutingSimulation:
         self.policy = policy
         self.config = replica
         self.steps = steps
-        self.weights = weights
+        self.costs = costs
         self.replicas = {f"r{i}": Replica(f"r{i}", replica) for i in range(num_replicas)}
         self.index = ReplicaPrefixIndex()
         self._oracle_hashes: list[BlockHash] = []
-        self.router = self._new_router()
+        self.concurrency = concurrency
+        self.num_gateways = gateways
+        self.share_pending = share_pending and gateways > 1
+        self.share_delay_s = share_delay_s
+        self.eviction_aware = eviction_aware
+        self.routers = [self._new_router(g) for g in range(gateways)]
         self.restart_at = restart_at
         self.restart_window = restart_window
         self._routed = 0
         self._window: set[str] = set()
         self.status_interval_s = status_interval_s
+        # The ledger writes its eviction head more often than its status (EVICTION_INTERVAL_S).
+        self.eviction_interval_s = (
+            min(status_interval_s, EVICTION_INTERVAL_S)
+            if eviction_interval_s is None
+            else eviction_interval_s
+        )
         self._published: dict[str, ReplicaLoad] = {}
+        self._published_eviction: dict[str, EvictionView] = {}
         self._now = 0.0
+        self._gateway_of: dict[str, int] = {}
+        self._expected: dict[str, int] = {}  # request -> cached tokens its router expected
+        self._evicted_blocks = 0
+        self._shared: list[tuple[float, int, str, tuple]] = []  # (at, gateway, op, args)
 
-    def _new_router(self) -> Router:
+    @property
+    def router(self) -> Router:
+        return self.routers[0]
+
+    def _new_router(self, gateway: int = 0) -> Router:
         names = list(self.replicas)
-        if self.policy == "precise":
-            return Router(
-                "precise", names, weights=self.weights, prefix_source=self.index.cached_blocks
-            )
-        if self.policy == "oracle":
-            return Router("oracle", names, weights=self.weights, prefix_source=self._oracle_blocks)
-        if self.policy == "approx":
-            return Router("approx", names, weights=self.weights, lru=SentPrefixLRU())
-        return Router(self.policy, names, weights=self.weights)
+        source = self.index.cached_blocks if self.policy == "precise" else self._oracle_blocks
+        scorer = make_scorer(self.policy, source)
+        return Router(
+            scorer, names, costs=self.costs, pending=PendingRequests(),
+            eviction_aware=self.eviction_aware,
+            rotation=gateway * len(names) // self.num_gateways,
+        )  # fmt: skip
 
     def _oracle_blocks(self, replica: str, _event_hashes: Sequence[int]) -> int:
         get = self.replicas[replica].manager.block_pool.cached_block_hash_to_block.get_one_block
@@ -294,7 +371,7 @@ class RoutingSimulation:
             self.index = ReplicaPrefixIndex()
             for name, replica in self.replicas.items():
                 self.index.load_snapshot(name, replica.snapshot())
-        self.router = self._new_router()
+        self.routers = [self._new_router(g) for g in range(self.num_gateways)]
 
     def run(self) -> SimResult:
         turns = self.workload.turns
@@ -306,9 +383,15 @@ class RoutingSimulation:
             seq += 1
             heapq.heappush(queue, (at, seq, kind, what))
 
-        for i, turn in enumerate(turns):
-            if turn.previous is None:
-                push(turn.arrival_s, "arrive", i)
+        next_turn = 0
+        if self.concurrency is None:
+            for i, turn in enumerate(turns):
+                if turn.previous is None:
+                    push(turn.arrival_s, "arrive", i)
+        else:  # closed loop: the first `concurrency` now, then one as each ends
+            next_turn = min(self.concurrency, len(turns))
+            for i in range(next_turn):
+                push(turns[0].arrival_s, "arrive", i)
         follow_up = {t.previous: i for i, t in enumerate(turns) if t.previous is not None}
         index_of = {t.request_id: i for i, t in enumerate(turns)}
         arrival: dict[str, float] = {}
@@ -318,6 +401,8 @@ class RoutingSimulation:
         started: dict[str, float] = {}
         spans: list[StepSpan] = []
         prefill_tokens = output_tokens = 0
+        routed_hit_blocks = shortfall_requests = shortfall_blocks = 0
+        block_size = self.config.block_size
         first, last = turns[0].arrival_s, 0.0
         while queue:
             now, _, kind, what = heapq.heappop(queue)
@@ -327,11 +412,14 @@ class RoutingSimulation:
                 turn = turns[i]
                 arrival[turn.request_id] = now
                 replica = self.replicas[self._route(i)]
+                expected = self._expected[turn.request_id]
+                replica.expected_hits[turn.request_id] = expected
+                routed_hit_blocks += expected // block_size
                 request: Request[Turn] = Request(
                     turn.request_id,
                     turn.prompt_token_ids,
                     turn.max_tokens,
-                    block_size=self.config.block_size,
+                    block_size=block_size,
                     payload=turn,
                 )
                 # The ledger would hash the prompt itself: same hasher, same hashes.
@@ -344,6 +432,10 @@ class RoutingSimulation:
             elif kind == "step":
                 replica = self.replicas[str(what)]
                 out = replica.scheduler.schedule()
+                replica.version += 1
+                # The ledger publishes a step's KV events as it dispatches the step, while the
+                # workers compute it (engine.Engine._while_workers_compute).
+                self._publish_events(replica, now)
                 prefill = decode = 0
                 for request_id, n in out.num_scheduled_tokens.items():
                     request = replica.scheduler.requests[request_id]
@@ -353,13 +445,21 @@ class RoutingSimulation:
                     else:
                         prefill += n
                 for admission in out.admissions:
-                    if not admission.resumed:
-                        hits[admission.request_id] = admission.num_hit_tokens
+                    if admission.resumed:
+                        continue
+                    rid = admission.request_id
+                    hits[rid] = admission.num_hit_tokens
+                    replica.costs.observe_queue_wait(now - arrival[rid])
+                    expected = replica.expected_hits.pop(rid, 0)
+                    if admission.num_hit_tokens < expected:
+                        shortfall_requests += 1
+                        shortfall_blocks += (expected - admission.num_hit_tokens) // block_size
                 prefill_tokens += prefill
-                done_at = now + self.steps.duration(prefill, decode)
+                duration = self.steps.duration(prefill, decode)
+                replica.costs.observe_step(prefill, decode, duration)
                 pending[replica.name] = out
                 started[replica.name] = now
-                push(done_at, "done", replica.name)
+                push(now + duration, "done", replica.name)
             else:  # a step finished: tokens back, events out
                 replica = self.replicas[str(what)]
                 out = pending.pop(replica.name)
@@ -375,21 +475,27 @@ class RoutingSimulation:
                     returned += len(update.new_token_ids)
                     if update.finished:
                         last = now
-                        self.router.release(update.request.request_id)
+                        self._release(update.request.request_id)
                         nxt = follow_up.get(index_of[update.request.request_id])
                         if nxt is not None:
                             push(now + turns[nxt].think_s, "arrive", nxt)
+                        if self.concurrency is not None and next_turn < len(turns):
+                            push(now, "arrive", next_turn)
+                            next_turn += 1
+                replica.version += 1
                 output_tokens += returned
                 spans.append(StepSpan(replica.name, started.pop(replica.name), now, returned))
                 self._publish(replica, now)
-                events = replica.manager.take_events()
-                if events and self.policy == "precise":
-                    self.index.apply(replica.name, KVEventBatch(now, events))
+                self._publish_events(replica, now)
                 if replica.scheduler.has_unfinished_requests():
                     push(now, "step", replica.name)
                 else:
                     replica.busy = False
         result = self._result(turns, ttft, hits, prefill_tokens, output_tokens, last - first)
+        result.routed_hit_blocks = routed_hit_blocks
+        result.shortfall_requests = shortfall_requests
+        result.shortfall_blocks = shortfall_blocks
+        result.evicted_blocks = self._evicted_blocks
         result.saturated = saturated_window(list(self.replicas), spans)
         if result.saturated is not None:  # on the trace's clock, as the makespan
             window = result.saturated
@@ -406,7 +512,9 @@ class RoutingSimulation:
             and 0 <= self._routed - self.restart_at < self.restart_window
         ):
             self._window.add(self.workload.turns[i].request_id)
+        gateway = self._routed % self.num_gateways
         self._routed += 1
+        self._sync(gateway)
         turn = self.workload.turns[i]
         routable = self.workload.routable[i]
         self._oracle_hashes = self.workload.full[i][: len(routable)]
@@ -414,16 +522,67 @@ class RoutingSimulation:
             for replica in self.replicas.values():
                 if not replica.busy:  # an idle ledger's status loop still ticks
                     self._publish(replica, self._now)
-            loads = {
-                name: self._published.get(name, ReplicaLoad(as_of=0.0)) for name in self.replicas
-            }
+            loads = {}
+            for name in self.replicas:
+                load = self._published.get(name, ReplicaLoad(as_of=0.0))
+                head = self._published_eviction.get(name)
+                loads[name] = replace(load, eviction=head) if head is not None else load
         else:
             loads = {name: r.load() for name, r in self.replicas.items()}
         request = RouteRequest(len(turn.prompt_token_ids), routable, self.config.block_size)
-        return self.router.route(request, loads, request_id=turn.request_id, now=self._now).replica
+        router = self.routers[gateway]
+        decision = router.route(request, loads, request_id=turn.request_id, now=self._now)
+        chosen = decision.score_of(decision.replica)
+        self._expected[turn.request_id] = chosen.cached_tokens
+        self._evicted_blocks += chosen.evicted_blocks
+        self._gateway_of[turn.request_id] = gateway
+        if self.share_pending:
+            entry = router.pending.get(turn.request_id)
+            assert entry is not None
+            args = (turn.request_id, entry.replica, entry.block_hashes, entry.sent_at,
+                    entry.prefill_tokens)  # fmt: skip
+            self._share(gateway, "add", args)
+        return decision.replica
+
+    def _release(self, request_id: str) -> None:
+        gateway = self._gateway_of.pop(request_id, 0)
+        self.routers[gateway].release(request_id)
+        if self.share_pending:
+            self._share(gateway, "release", (request_id,))
+
+    def _share(self, sender: int, op: str, args: tuple) -> None:
+        """What one gateway wrote reaches the others `share_delay_s` later."""
+        at = self._now + self.share_delay_s
+        for gateway in range(self.num_gateways):
+            if gateway != sender:
+                self._shared.append((at, gateway, op, args))
+
+    def _sync(self, gateway: int) -> None:
+        """Apply what the gateway has read of the others' writes by now."""
+        if not self._shared:
+            return
+        keep = []
+        for item in self._shared:
+            at, target, op, args = item
+            if target != gateway or at > self._now:
+                keep.append(item)
+                continue
+            pending = self.routers[gateway].pending
+            if op == "add":
+                rid, replica, hashes, sent_at, prefill = args
+                pending.add(rid, replica, hashes, sent_at, prefill, owner="other")
+            else:
+                pending.release(args[0])
+        self._shared = keep
+
+    def _publish_events(self, replica: Replica, now: float) -> None:
+        events = replica.manager.take_events()
+        if events and self.policy == "precise":
+            self.index.apply(replica.name, KVEventBatch(now, events))
 
     def _publish(self, replica: Replica, now: float) -> None:
-        """The ledger's status write: its load as of now, once per interval."""
+        """The ledger's status write: its load as of now, once per interval; its eviction
+        head, once per (shorter) interval."""
         if self.status_interval_s <= 0:
             return
         last = self._published.get(replica.name)
@@ -431,6 +590,11 @@ class RoutingSimulation:
             load = replica.load()
             load.as_of = now
             self._published[replica.name] = load
+        head = self._published_eviction.get(replica.name)
+        if head is None or head.as_of is None or now - head.as_of >= self.eviction_interval_s:
+            self._published_eviction[replica.name] = replica.eviction(
+                replica.queued_prefill_tokens(), as_of=now
+            )
 
     def _result(
         self,

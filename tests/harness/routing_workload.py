@@ -10,8 +10,10 @@ follow-up arrives a think time after its previous turn finished.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +88,87 @@ def multi_tenant_workload(config: WorkloadConfig = WorkloadConfig()) -> list[Tur
             previous = len(turns) - 1
             history = prompt + output
     return turns
+
+
+# The Mooncake FAST'25 synthetic trace (kvcache-ai/Mooncake, Apache-2.0): ../shared/traces/.
+MOONCAKE_TRACE = (
+    Path(__file__).resolve().parents[3] / "shared" / "traces" / ("mooncake_synthetic_trace.jsonl")
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceReplay:
+    """How every benchmark of this project replays the trace, so figures compare
+    (../shared/traces/README.md): each hash id a fixed run of `tokens_per_id` token ids (one KV
+    block), at most `max_ids` ids per prompt, `max_tokens` out, in arrival order."""
+
+    tokens_per_id: int = 16
+    max_ids: int = 32
+    max_tokens: int = 4
+    vocab: int = 32000
+    first: int = 0  # a window: its first request and length (None: to the end)
+    count: int | None = None
+    path: Path = MOONCAKE_TRACE
+
+
+def trace_turns(replay: TraceReplay = TraceReplay()) -> list[Turn]:
+    """The trace's requests as turns, in arrival order: independent requests (a multi-turn
+    conversation shows only as a shared prefix), each with `max_tokens` fixed outputs."""
+    rows = []
+    with open(replay.path) as trace:
+        for number, line in enumerate(trace):
+            if number < replay.first:
+                continue
+            if replay.count is not None and len(rows) >= replay.count:
+                break
+            rows.append(json.loads(line))
+    runs: dict[int, tuple[int, ...]] = {}
+
+    def run_of(hash_id: int) -> tuple[int, ...]:
+        run = runs.get(hash_id)
+        if run is None:
+            rng = random.Random(hash_id * 1_000_003 + 17)
+            run = tuple(rng.randrange(1, replay.vocab) for _ in range(replay.tokens_per_id))
+            runs[hash_id] = run
+        return run
+
+    turns = []
+    for index, row in enumerate(rows):
+        ids = row["hash_ids"][: replay.max_ids]
+        prompt = tuple(token for hash_id in ids for token in run_of(hash_id))
+        rng = random.Random(replay.first + index)
+        turns.append(
+            Turn(
+                request_id=f"m{replay.first + index}",
+                conversation=replay.first + index,
+                turn=0,
+                system_prompt=ids[0] if ids else -1,
+                prompt_token_ids=prompt,
+                output_token_ids=tuple(
+                    rng.randrange(1, replay.vocab) for _ in range(replay.max_tokens)
+                ),
+                arrival_s=row["timestamp"] / 1000.0,
+                think_s=0.0,
+                previous=None,
+            )
+        )
+    return turns
+
+
+def prefix_bound(turns: list[Turn], block_size: int) -> float:
+    """The share of prompt tokens one infinite cache hits: every leading block already seen in
+    an earlier prompt (the trace's bound, as the README counts it)."""
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for turn in turns:
+        tokens = turn.prompt_token_ids
+        total += len(tokens)
+        leading = True
+        for end in range(block_size, len(tokens) + 1, block_size):
+            key = tokens[:end]
+            if leading and key in seen:
+                hit += block_size
+            else:
+                leading = False
+            seen.add(key)
+    return hit / max(total, 1)

@@ -167,6 +167,7 @@ class Stack:
         *,
         traceparent: str | None = None,
         priority: int = 0,
+        expected_cached_tokens: int | None = None,
         **kwargs,
     ) -> None:
         self.results[req_id] = Result()
@@ -182,6 +183,7 @@ class Stack:
                 arrival_time=time.time(),
                 traceparent=traceparent,
                 priority=priority,
+                expected_cached_tokens=expected_cached_tokens,
             ),
         )
 

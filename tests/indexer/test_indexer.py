@@ -74,12 +74,18 @@ async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
         async with indexer_on(redis_url, **replicas, checkpoint_dir=str(tmp_path)) as client:
             got = await scores(client, {"prompt_token_ids": long_prompt})
             assert got["num_tokens"] == 90
-            assert got["replicas"]["a"] == {
+            a_score = got["replicas"]["a"]
+            assert {k: a_score[k] for k in ("cached_blocks", "cached_tokens", "block_size")} == {
                 "cached_blocks": ledger_hit_blocks(a, long_prompt),
                 "cached_tokens": 16 * ledger_hit_blocks(a, long_prompt),
                 "block_size": 16,
-                "health": "live",
             }
+            assert a_score["health"] == "live" and a_score["pending_requests"] == 0
+            # What a router should expect at admission: all of it (nothing queued to evict it),
+            # and the cost (seconds) lower than on b, which must prefill the whole prompt.
+            assert a_score["expected_cached_tokens"] == 80 and a_score["evicted_blocks"] == 0
+            assert got["cost_unit"] == "s"
+            assert a_score["cost"] < got["replicas"]["b"]["cost"]
             assert got["replicas"]["a"]["cached_blocks"] == 5  # (90 - 1) // 16 blocks
             assert got["replicas"]["b"]["cached_blocks"] == 0
             assert got["best"] == "a"
@@ -92,6 +98,10 @@ async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
 
             salted = await scores(client, {"prompt_token_ids": long_prompt, "cache_salt": "t1"})
             assert salted["replicas"]["a"]["cached_blocks"] == 0  # another tenant's cache
+            # Nothing cached anywhere: no best (a router following it would send every new
+            # prompt to the same replica); the costs are there to balance by.
+            assert salted["best"] is None
+            assert all(r["cost"] > 0 for r in salted["replicas"].values())
 
             for body, field in (
                 ({"prompt_token_ids": [1, "x"]}, "prompt_token_ids[1]"),
@@ -105,11 +115,15 @@ async def test_score_reports_each_replicas_real_prefix_and_refuses_bad_fields(
             ):
                 response = await client.post("/score", json=body)
                 assert response.status == 400, body
-                message = (await response.json())["error"]["message"]
-                assert message.startswith(f"{field}:"), (body, message)
+                error = (await response.json())["error"]
+                assert error["message"].startswith(f"{field}:"), (body, error)
+                # The gateway's shape: the field in `param`, the status in `code`.
+                assert error["param"] == (None if field == "body" else field), error
+                assert (error["code"], error["type"]) == (400, "invalid_request_error")
             response = await client.post("/score", data=b"{not json")
             assert response.status == 400
-            assert (await response.json())["error"]["message"].startswith("body:")
+            error = (await response.json())["error"]
+            assert error["message"].startswith("body:") and error["code"] == 400
 
             # A poison entry in a ledger's events stream is stepped over; later events count.
             await a.r.xadd(a.streams.events, {b"batch": b"\xc1not msgpack"})
@@ -151,12 +165,13 @@ async def test_a_replica_whose_ledger_dies_goes_out_and_health_follows(redis_url
             assert report["a"]["health"] == "live"
             assert report["ghost"]["health"] == "out" and report["ghost"]["ledger"] is False
             got = await scores(client, {"prompt_token_ids": [1] * 40})
-            assert got["replicas"]["ghost"] == {
+            ghost = got["replicas"]["ghost"]
+            assert {k: ghost[k] for k in ("cached_blocks", "cached_tokens", "block_size")} == {
                 "cached_blocks": 0,
                 "cached_tokens": 0,
                 "block_size": None,
-                "health": "out",
             }
+            assert ghost["health"] == "out"
 
             ledger = a.tasks[0]  # the ledger stops: its status is written no more
             ledger.cancel()

@@ -230,3 +230,19 @@ def test_sigint_stops_a_background_supervisor():
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0
     assert out.strip() == f"stopped {-signal.SIGTERM}"
+
+
+def test_up_starts_several_gateways_on_consecutive_ports():
+    from kvledger.launcher import _roles
+
+    args = _up_args("--gateways", "3", "--port", "8100", "--max-queue", "64")
+    assert args.gateways == 3
+    flags = role_flags(args, "gateway", frozenset({"port"}))
+    assert "--port" not in flags and flags[flags.index("--max-queue") + 1] == "64"
+    roles = _roles({}, ["r0", "r1"], [9100, 9101], gateways=3, port=8100)
+    gateways = [(name, env) for name, env in roles if name.startswith("gateway")]
+    assert [name for name, _ in gateways] == ["gateway", "gateway-1", "gateway-2"]
+    assert [env["KVLEDGER_PORT"] for _, env in gateways] == ["8100", "8101", "8102"]
+    assert all(env["KVLEDGER_REPLICAS"] == "r0,r1" for _, env in gateways)
+    # One gateway: as before, its port from the flag or the environment.
+    assert [n for n, _ in _roles({}, ["default"], [9100])] == ["ledger", "worker", "gateway"]
