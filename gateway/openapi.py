@@ -11,6 +11,7 @@ from gateway.support import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     DETOKENIZE_FIELDS,
+    RESPONSES_FIELDS,
     STREAM_OPTIONS_FIELDS,
     STRUCTURED_OUTPUTS_FIELDS,
     TOKENIZE_FIELDS,
@@ -157,6 +158,17 @@ def _object(table: dict[str, FieldSupport], schemas: dict[str, dict[str, Any]]) 
 FIELD_SCHEMAS["structured_outputs"] = _object(STRUCTURED_OUTPUTS_FIELDS, STRUCTURED_SCHEMAS)
 
 
+def _described(table: dict[str, FieldSupport]) -> dict[str, Any]:
+    """A body whose fields are described by their support notes alone (no value schemas)."""
+    properties = {
+        name: {
+            "description": ("Refused unless it asks for nothing: " if s.refused else "") + s.note
+        }
+        for name, s in table.items()
+    }
+    return {"type": "object", "properties": properties, "additionalProperties": False}
+
+
 def _post(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any]:
     return {
         "post": {
@@ -196,6 +208,12 @@ def openapi_document(version: str) -> dict[str, Any]:
             "version": version,
         },
         "paths": {
+            "/v1/responses": _post(
+                "the Responses API (stream: server-sent events)",
+                _described(RESPONSES_FIELDS),
+                "application/json",
+            ),
+            "/v1/responses/{response_id}": _get("a stored response (--enable-responses-store)"),
             "/v1/completions": _post(
                 "text completion (stream: server-sent events)",
                 body_schema(COMPLETION_FIELDS, ["prompt"]),
