@@ -61,7 +61,7 @@ def _redis_dir(processes: dict[int, str]) -> Path:
 
 def test_kill9_of_up_leaves_no_process_and_a_new_up_starts_on_its_port():
     port = free_port()
-    first = launch("default", num_gpu_blocks=64, max_model_len=128, port=port)
+    first = launch("tiny", num_gpu_blocks=64, max_model_len=128, port=port)
     second = None
     try:
         first.wait_until_serving()
@@ -83,7 +83,7 @@ def test_kill9_of_up_leaves_no_process_and_a_new_up_starts_on_its_port():
             time.sleep(0.1)
         print(f"every child gone {time.monotonic() - killed_at:.2f}s after kill -9")
 
-        second = launch("default", num_gpu_blocks=64, max_model_len=128, port=port)
+        second = launch("tiny", num_gpu_blocks=64, max_model_len=128, port=port)
         second.wait_until_serving()
         out = complete(second.url, 0, stream=False, timeout=30)
         assert out.text is not None, out.error

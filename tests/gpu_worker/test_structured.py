@@ -201,7 +201,7 @@ def test_a_grammar_state_survives_the_forcing_limit_through_preemption(make_runn
 def _grammar_accepts_prefix(grammar: str, tokens: list[int]) -> bool:
     """The tokens, one by one, never leave the grammar (forcing off: it is the check that
     would otherwise hit llguidance's limit)."""
-    structured = StructuredOutputs("default", TOK.vocab_size)
+    structured = StructuredOutputs("tiny", TOK.vocab_size)
     text = '%llguidance {"no_forcing": true}\n' + grammar
     matcher = llguidance.LLMatcher(structured.tokenizer, text, log_level=0)
     return matcher.consume_tokens(tokens) and not matcher.is_error()
@@ -216,7 +216,7 @@ def _grammar_accepts_prefix(grammar: str, tokens: list[int]) -> bool:
     ],
 )
 def test_a_grammar_without_forcing_keeps_its_language(structured, good, bad):
-    tokenizer = StructuredOutputs("default", TOK.vocab_size).tokenizer
+    tokenizer = StructuredOutputs("tiny", TOK.vocab_size).tokenizer
     text = without_forcing(structured.grammar)
     for grammar in (structured.grammar, text):
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
