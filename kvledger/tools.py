@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -197,6 +198,8 @@ def cmd_events(args: argparse.Namespace) -> int:
             )
             return 2
         replica = found[0] if found else "default"
+    # `kvledger events | head`: a reader that is gone ends the tool quietly, as it ends `cat`.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(print_events(url, prefix, args.start, args.count, replica))
