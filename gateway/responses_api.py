@@ -102,7 +102,7 @@ def parse_responses(
     table = RESPONSES_FIELDS
     if store_enabled:
         table = RESPONSES_FIELDS | {
-            "store": works("kept in Redis for --responses-store-ttl-s"),
+            "store": works("kept in Redis for --responses-store-ttl-s (default true)"),
             "previous_response_id": works("continues a stored response"),
         }
     check_fields(body, table)
@@ -164,7 +164,9 @@ def parse_responses(
     if request_id is not None and not isinstance(request_id, str):
         raise bad_request(f"'request_id' must be a string, got {type_name(request_id)}",
                           "request_id")  # fmt: skip
-    store = read_bool(body, "store") if store_enabled else False
+    # Stored unless store is false, as vLLM's and OpenAI's default (a plain create can be
+    # continued with previous_response_id).
+    store = read_bool(body, "store", default=True) if store_enabled else False
     return ResponsesCall(
         job=job,
         response_id=request_id or random_id("resp_"),

@@ -99,7 +99,10 @@ async def test_function_calls_equal_vllms_with_the_hermes_parser(
     (vLLM's OpenAIServingResponses with --enable-auto-tool-choice --tool-call-parser hermes)."""
     folder = tool_tokenizer(tmp_path, "hermes")
     tokenizer = HFTokenizer(folder)
-    calls = [("get_weather", {"city": "Zürich", "days": 2}), ("get_time", {"zone": "UTC"})]
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("get_weather", {"city": "Zürich", "days": 2}),
+        ("get_time", {"zone": "UTC"}),
+    ]
     ids = tokenizer.encode(FORMATS["hermes"].call_text(calls, "Checking. "),
                            add_special_tokens=False)  # fmt: skip
     script = Script(ids=ids, eos=1)
@@ -195,8 +198,10 @@ def _first_difference(mine: Any, theirs: Any, path: str = "$") -> str:
             if a != b:
                 return _first_difference(a, b, f"{path}[{i}]")
     if isinstance(mine, list) and isinstance(theirs, list):
-        kinds = [[e.get("type") for e in side if isinstance(e, dict)] for side in (mine, theirs)]
-        return f"  {path}: {len(mine)} vs {len(theirs)} entries\n  ours {kinds[0]}\n  vllm {kinds[1]}"
+        ours, vllm = (
+            [e.get("type") for e in side if isinstance(e, dict)] for side in (mine, theirs)
+        )
+        return f"  {path}: {len(mine)} vs {len(theirs)} entries\n  ours {ours}\n  vllm {vllm}"
     return f"  {path}:\n    ours {str(mine)[:600]}\n    vllm {str(theirs)[:600]}"
 
 
