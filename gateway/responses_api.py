@@ -102,7 +102,7 @@ def parse_responses(
     table = RESPONSES_FIELDS
     if store_enabled:
         table = RESPONSES_FIELDS | {
-            "store": works("kept in Redis for --responses-store-ttl-s"),
+            "store": works("kept in Redis for --responses-store-ttl-s (default true)"),
             "previous_response_id": works("continues a stored response"),
         }
     check_fields(body, table)
@@ -164,7 +164,9 @@ def parse_responses(
     if request_id is not None and not isinstance(request_id, str):
         raise bad_request(f"'request_id' must be a string, got {type_name(request_id)}",
                           "request_id")  # fmt: skip
-    store = read_bool(body, "store") if store_enabled else False
+    # Stored unless store is false, as vLLM's and OpenAI's default (a plain create can be
+    # continued with previous_response_id).
+    store = read_bool(body, "store", default=True) if store_enabled else False
     return ResponsesCall(
         job=job,
         response_id=request_id or random_id("resp_"),
@@ -515,6 +517,7 @@ class EventStream:
         self.state: str | None = None  # "content", "call" or None
         self.item_id = ""
         self.text = ""
+        self.logprobs: list[dict[str, Any]] = []  # the open message's, for its done events
         self.call: tuple[str, str] = ("", "")  # (call id, name) of the open call
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -527,6 +530,7 @@ class EventStream:
         if self.state != "content":
             events += self.close("completed")
             self.state, self.item_id, self.text = "content", random_id("msg_"), ""
+            self.logprobs = []
             events.append(self.event("response.output_item.added",
                                      item=_message_item(self.item_id, [], "in_progress"),
                                      output_index=len(self.items)))  # fmt: skip
@@ -534,8 +538,10 @@ class EventStream:
                                      item_id=self.item_id, output_index=len(self.items),
                                      part=_text_part("", [])))  # fmt: skip
         self.text += delta
+        self.logprobs += logprobs
         events.append(self.event("response.output_text.delta", content_index=0, delta=delta,
-                                 item_id=self.item_id, logprobs=logprobs,
+                                 item_id=self.item_id,
+                                 logprobs=[_without_bytes(entry) for entry in logprobs],
                                  output_index=len(self.items)))  # fmt: skip
         return events
 
@@ -560,12 +566,15 @@ class EventStream:
         """The open item's done events (none open: none)."""
         index = len(self.items)
         if self.state == "content":
-            item = _message_item(self.item_id, [_text_part(self.text, None)], status)
+            # The done part carries the message's logprobs, bytes kept; the text's done event
+            # none (vLLM's).
+            part = _text_part(self.text, self.logprobs or None)
+            item = _message_item(self.item_id, [part], status)
             events = [
                 self.event("response.output_text.done", content_index=0, item_id=self.item_id,
                            logprobs=[], output_index=index, text=self.text),
                 self.event("response.content_part.done", content_index=0, item_id=self.item_id,
-                           output_index=index, part=_text_part(self.text, None)),
+                           output_index=index, part=part),
             ]  # fmt: skip
         elif self.state == "call":
             call_id, name = self.call
@@ -691,6 +700,15 @@ def _delta_events(
     out = events.content(content, logprobs) if content else []
     for call in calls:
         out += events.tool_call(call)
+    return out
+
+
+def _without_bytes(entry: dict[str, Any]) -> dict[str, Any]:
+    """A delta event's logprob as vLLM streams it: openai's event model has no `bytes`, at
+    either level (the whole response's output_text keeps them)."""
+    out = {k: v for k, v in entry.items() if k != "bytes"}
+    if "top_logprobs" in out:
+        out["top_logprobs"] = [_without_bytes(top) for top in out["top_logprobs"]]
     return out
 
 

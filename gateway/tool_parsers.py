@@ -242,7 +242,9 @@ class HermesParser(ToolParser):
         calls = []
         for body, closed in self._bodies(text):
             if not closed:
-                body = body[: len(body) - partial_overlap(body, self.END)]
+                # Trailing whitespace waits for what follows it (vLLM strips the open body),
+                # so a space and the quote after it stream as one delta.
+                body = body[: len(body) - partial_overlap(body, self.END)].rstrip()
             pos = _skip_ws(body, 0)
             if pos >= len(body) or body[pos] != "{":
                 break

@@ -1,10 +1,12 @@
 """The official `openai` client against the real gateway, ledger and worker: what a user coming
 from `vllm serve` runs. Its typed models parse every answer, so a field of the wrong shape fails
-here."""
+here, the Responses API's (`responses.create`, `responses.stream`, `retrieve`) included."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import AsyncIterator
 
 import openai
 import pytest
@@ -16,16 +18,29 @@ MODEL = "kvledger-tiny-llama"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 
 
-@pytest.fixture
-async def client(redis_url, tiny_model):
+@contextlib.asynccontextmanager
+async def _served(redis_url, tiny_model, **settings) -> AsyncIterator[openai.AsyncOpenAI]:
     stack = await Stack(redis_url, tiny_model, num_blocks=128).start()
     try:
-        async with gateway_on(stack) as http:
+        async with gateway_on(stack, **settings) as http:
             base_url = str(http.make_url("/v1"))
             async with openai.AsyncOpenAI(base_url=base_url, api_key="unused") as oa:
                 yield oa
     finally:
         await stack.stop()
+
+
+@pytest.fixture
+async def client(redis_url, tiny_model):
+    async with _served(redis_url, tiny_model) as oa:
+        yield oa
+
+
+@pytest.fixture
+async def storing_client(redis_url, tiny_model):
+    """A gateway started with --enable-responses-store."""
+    async with _served(redis_url, tiny_model, enable_responses_store=True) as oa:
+        yield oa
 
 
 async def test_completions_and_chat(client):
@@ -96,7 +111,7 @@ async def test_logprobs_in_both_shapes(client):
     chat = await client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=2
     )
-    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    content = chat.choices[0].logprobs.content
     assert content is not None and len(content) == 4
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
@@ -117,3 +132,110 @@ async def test_n_choices(client):
     with pytest.raises(openai.BadRequestError) as refused:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=0)
     assert refused.value.body["param"] == "n"  # type: ignore[index]
+
+
+# --- the Responses API ---------------------------------------------------------------------------
+
+SYSTEM = "Answer briefly."
+
+
+async def test_responses_create_answers_as_chat_does(client):
+    """Text input with instructions, and the same turn as messages: both the greedy answer of
+    the chat endpoint for that conversation (instructions are its system message), cut at
+    max_output_tokens ("incomplete"), with usage the typed model parses."""
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, *CHAT], max_tokens=6,
+        temperature=0.0,
+    )  # fmt: skip
+    expected = chat.choices[0].message.content
+    assert chat.usage is not None and len(expected or "") == 6
+    done = await client.responses.create(
+        model=MODEL, input=CHAT[0]["content"], instructions=SYSTEM, max_output_tokens=6,
+        temperature=0.0,
+    )  # fmt: skip
+    assert done.object == "response" and done.model == MODEL and done.id.startswith("resp_")
+    assert done.output_text == expected and done.instructions == SYSTEM
+    assert done.status == "incomplete" and done.incomplete_details is not None
+    assert done.incomplete_details.reason == "max_output_tokens"
+    (item,) = done.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "incomplete"
+    usage = done.usage
+    assert usage is not None and usage.output_tokens == 6
+    assert usage.input_tokens == chat.usage.prompt_tokens
+    assert usage.total_tokens == usage.input_tokens + 6
+    assert usage.input_tokens_details.cached_tokens >= 0
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    messages = await client.responses.create(
+        model=MODEL, max_output_tokens=6, temperature=0.0,
+        input=[{"role": "system", "content": SYSTEM},
+               {"role": "user", "content": [{"type": "input_text", "text": CHAT[0]["content"]}]}],
+    )  # fmt: skip
+    assert messages.output_text == expected and messages.instructions is None
+    assert messages.usage is not None and messages.usage.input_tokens == usage.input_tokens
+
+
+async def test_responses_stream_events_give_the_final_text(client):
+    """responses.stream's events: response.created first, text deltas whose join is the final
+    response's text (cut by a stop string: "completed", which the helper's final response
+    needs); the whole answer's text the same. A stream cut by max_output_tokens ends with
+    response.incomplete."""
+    whole = await client.responses.create(
+        model=MODEL, input="Stream", max_output_tokens=12, temperature=0.0
+    )
+    stop = whole.output_text[6:9]  # first seen at or before position 6
+    expected = whole.output_text[: whole.output_text.index(stop)]
+    async with client.responses.stream(
+        model=MODEL, input="Stream", max_output_tokens=12, temperature=0.0,
+        extra_body={"stop": [stop]},
+    ) as stream:  # fmt: skip
+        kinds, deltas = [], []
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = await stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and final.status == "completed"
+    assert "".join(deltas) == final.output_text == expected
+    assert final.usage is not None and final.usage.output_tokens == len(expected) + len(stop)
+    events = await client.responses.create(
+        model=MODEL, input="Stream", max_output_tokens=12, temperature=0.0, stream=True
+    )
+    seen = [event async for event in events]
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))
+    last = seen[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == whole.output_text
+    joined = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    assert joined == whole.output_text
+
+
+async def test_stored_responses_are_retrieved_and_continued(storing_client):
+    """With --enable-responses-store: a response is stored by default, retrieve gives it back
+    as it was, and previous_response_id continues its conversation (the greedy answer of the
+    chat endpoint to the whole conversation; the first turn's instructions are not carried)."""
+    client = storing_client
+    first = await client.responses.create(
+        model=MODEL, input="Hi", instructions=SYSTEM, max_output_tokens=5, temperature=0.0
+    )
+    got = await client.responses.retrieve(first.id)
+    assert got.model_dump() == first.model_dump()
+    second = await client.responses.create(
+        model=MODEL, input="More?", previous_response_id=first.id, max_output_tokens=5,
+        temperature=0.0, store=False,
+    )  # fmt: skip
+    assert second.previous_response_id == first.id
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "More?"},
+    ]
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=5, temperature=0.0
+    )
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage is not None and chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(second.id)  # store: false
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve("resp_0000000000000000")

@@ -3,15 +3,16 @@
 renders tools, calls and results: tests/gpu_worker/tool_checkpoints.py) served by the real
 gateway, ledger and worker. `required` and a named function are constrained by the tools' JSON
 schema, so even a random model answers valid calls, which the client's typed objects parse,
-whole and streamed; `none` and `auto` answer content, and a conversation holding tool calls
-and results goes through the template."""
+whole and streamed (as chat tool_calls and as /v1/responses' function_call items); `none` and
+`auto` answer content, and a conversation holding tool calls and results goes through the
+template."""
 
 from __future__ import annotations
 
 import functools
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -124,7 +125,9 @@ async def test_required_and_named_calls_parse_in_the_openai_client(served):
         model=model, messages=ASK, tools=TOOLS, max_tokens=400, temperature=1.0, seed=seed,
         tool_choice=named, stream=True,
     )  # fmt: skip
-    names, arguments, finish = {}, {}, None
+    names: dict[int, str | None] = {}
+    arguments: dict[int, str] = {}
+    finish = None
     async for chunk in stream:
         for part in chunk.choices:
             for delta in part.delta.tool_calls or []:
@@ -163,3 +166,33 @@ async def test_none_auto_and_a_conversation_with_tool_results_answer_content(ser
     prompt = done.model_extra["prompt_text"]
     assert "sunny, 21 C" in prompt and "get_weather" in prompt, (parser, prompt)
     assert done.usage is not None and done.usage.prompt_tokens > 20
+
+
+async def test_responses_function_calls_parse_in_the_openai_client(served):
+    """/v1/responses with tool_choice required: the seed of a chat sample that finished its call
+    gives the same call as a function_call item, whole and through responses.stream (its
+    arguments deltas joined), parsed by the client's typed models."""
+    parser, client = served
+    model = (await client.models.list()).data[0].id
+    seed, choice = await _called(client, model, "tool_calls", tool_choice="required",
+                                 parallel_tool_calls=False)  # fmt: skip
+    (call,) = choice.message.tool_calls
+    expected = (call.function.name, json.loads(call.function.arguments))
+    body: dict[str, Any] = {
+        "model": model, "input": ASK[0]["content"], "tool_choice": "required",
+        "tools": [{"type": "function", **cast(dict[str, Any], tool["function"])} for tool in TOOLS],
+        "parallel_tool_calls": False, "max_output_tokens": 400, "temperature": 1.0,
+        "extra_body": {"seed": seed},
+    }  # fmt: skip
+    done = await client.responses.create(**body)
+    assert done.status == "completed", parser
+    (item,) = done.output
+    assert isinstance(item, openai.types.responses.ResponseFunctionToolCall)
+    assert (item.name, json.loads(item.arguments)) == expected and item.call_id
+    async with client.responses.stream(**body) as stream:
+        arguments = "".join([e.delta async for e in stream
+                             if e.type == "response.function_call_arguments.delta"])  # fmt: skip
+        final = await stream.get_final_response()
+    (streamed,) = final.output
+    assert streamed.type == "function_call" and streamed.name == expected[0]
+    assert json.loads(arguments) == json.loads(streamed.arguments) == expected[1]

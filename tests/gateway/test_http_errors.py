@@ -133,6 +133,7 @@ async def test_an_unknown_model_is_vllms_not_found_error_on_every_route(
     for route, body in (
         ("/v1/completions", {"prompt": "x"}),
         ("/v1/chat/completions", chat),
+        ("/v1/responses", {"input": "x"}),
         ("/tokenize", {"prompt": "x"}),
         ("/detokenize", {"tokens": [1]}),
     ):

@@ -199,17 +199,17 @@ async def test_the_redis_store_serves_every_gateway_and_expires(start_gateway, s
     ledger = await start_ledger(Script(eos_after=3))
     one = await start_gateway(enable_responses_store=True, responses_store_ttl_s=1.5)
     other = await start_gateway(enable_responses_store=True, gateway_id="gw-other")
-    first = await _create(one, input="Hi", instructions="Be brief.", store=True)
+    first = await _create(one, input="Hi", instructions="Be brief.")  # stored by default, as vLLM
     got = await other.get(f"/v1/responses/{first['id']}")
     assert got.status == 200 and await got.json() == first
     # Continued from the other gateway: the conversation so far, then the new input
     # (the earlier instructions are not carried, as OpenAI's and vLLM's).
-    second = await _create(other, input="More?", previous_response_id=first["id"])
+    second = await _create(other, input="More?", previous_response_id=first["id"], store=False)
     prompt = f"<|user|>\nHi\n<|assistant|>\n{TEXT[:3]}\n<|user|>\nMore?\n<|assistant|>\n"
     assert ledger.requests[-1].prompt_token_ids == BYTES.encode(prompt)
     assert second["previous_response_id"] == first["id"]
     unstored = await other.get(f"/v1/responses/{second['id']}")
-    assert unstored.status == 404  # store was not asked for
+    assert unstored.status == 404  # store: false
     await asyncio.sleep(1.8)
     gone = await one.get(f"/v1/responses/{first['id']}")
     assert gone.status == 404

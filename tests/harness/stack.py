@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +91,8 @@ class Stack:
         self.worker_services: dict[str, WorkerService] = {}
         self.results: dict[str, Result] = {}
         self._reader: asyncio.Task | None = None
-        self.runner_factory = ModelRunner  # a test may plant a faulty runner (fault injection)
+        # A test may plant a faulty runner (fault injection) or bind a runner's arguments.
+        self.runner_factory: Callable[..., ModelRunner] = ModelRunner
         self.ledger_tracer, self.worker_tracer = ledger_tracer, worker_tracer  # None: off
 
     @property
