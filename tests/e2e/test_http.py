@@ -16,8 +16,6 @@ from tests.e2e.conftest import metric_value, serve
 from tests.e2e.test_traces import complete, token_prompts
 from tests.harness.stack import dense_greedy
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def served():

@@ -10,14 +10,11 @@ import json
 import urllib.request
 
 import aiohttp
-import pytest
 
 from gpu_worker.checkpoint import load_model
 from tests.e2e.conftest import metric_value, serve
 from tests.e2e.test_traces import complete, token_prompts
 from tests.harness.stack import dense_greedy
-
-pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 

@@ -25,8 +25,6 @@ from services.wire.messages import LedgerStatus
 from tests.e2e.conftest import _hermetic_env
 from tests.harness.processes import ServiceProcess
 
-pytestmark = pytest.mark.slow
-
 TIMEOUT_S = 30.0  # the gateway's request timeout: the bound on a request's end, plus slack
 PREFIX = "kill"
 ARRIVAL_S = 0.4
@@ -60,7 +58,9 @@ def _status(client: redis.Redis, replica: str) -> LedgerStatus | None:
     return codec.decode(data, LedgerStatus) if data else None
 
 
-@pytest.mark.parametrize("victim", ["ledger", "worker"])
+# The ledger in every run; the worker (a restarted worker loads torch and its model: over a
+# minute) with -m slow.
+@pytest.mark.parametrize("victim", ["ledger", pytest.param("worker", marks=pytest.mark.slow)])
 def test_a_killed_replica_is_scored_by_load_then_out_then_back_and_every_request_ends(victim):
     with RedisServer() as server:
         base = {
@@ -118,7 +118,7 @@ def test_a_killed_replica_is_scored_by_load_then_out_then_back_and_every_request
                 lambda: any(
                     r["replica"] == "r0" for r in gateway.records("routed")[-20:]
                 ) and _last_health(gateway) == "live",
-                60, "r0 never came back",
+                120, "r0 never came back",  # a restarted worker loads torch and its model
             )  # fmt: skip
             time.sleep(2)
             stop.set()

@@ -9,13 +9,9 @@ import json
 import re
 import urllib.request
 
-import pytest
-
 from services.tokenization.tokenizer import ByteTokenizer
 from services.transport.redis_server import free_port
 from tests.e2e.conftest import launch, serving
-
-pytestmark = pytest.mark.slow
 
 
 def _complete(url: str, prompt: str) -> dict:
@@ -43,7 +39,7 @@ def test_a_repeated_prefix_lands_on_the_replica_that_holds_it():
     }
     metrics_port = free_port()  # replica i serves its metrics on metrics_port + i
     stack = launch(
-        "default",
+        "tiny",
         num_gpu_blocks=40,
         max_model_len=256,
         extra_args=("--replicas", "2", "--metrics-port", str(metrics_port)),

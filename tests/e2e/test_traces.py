@@ -24,8 +24,6 @@ from tests.e2e.conftest import launch, metric_value, serving
 from tests.harness.spans import named, render_tree
 from tests.otlp_receiver import OtlpReceiver
 
-pytestmark = pytest.mark.slow
-
 
 def token_prompts(n: int, length: int, seed: int, shared: int = 0) -> list[list[int]]:
     rng = random.Random(seed)

@@ -18,8 +18,6 @@ import pytest
 from tests.e2e.conftest import _http_status
 from tests.faults.conftest import Outcome, complete, expected_texts, fault_stack
 
-pytestmark = pytest.mark.slow
-
 BURST = 96
 
 

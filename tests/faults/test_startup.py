@@ -18,8 +18,6 @@ from tests.e2e.conftest import launch
 from tests.faults.conftest import MODEL, Redis, complete
 from tests.harness.processes import ServiceProcess
 
-pytestmark = pytest.mark.slow
-
 ROLES = ("ledger", "worker", "gateway")
 WAIT_BEFORE_REDIS_S = 3.0  # long enough for several backoff rounds (50 ms doubling to 2 s)
 
@@ -45,6 +43,7 @@ def _env(redis_url: str, gateway_port: int) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_ledger_and_worker_started_before_redis_wait_for_it_and_serve():
     redis = Redis(aof=False)  # its port is chosen, nothing listens on it yet
     port = free_port()
@@ -89,6 +88,7 @@ def test_ledger_and_worker_started_before_redis_wait_for_it_and_serve():
         redis.stop()
 
 
+@pytest.mark.slow
 def test_kvledger_up_on_an_external_redis_not_up_yet_waits_for_it_then_serves():
     """`kvledger up` with KVLEDGER_REDIS_URL naming a Redis that comes up later: the launcher
     and every child (the gateway too) wait for it instead of crashing, then the stack serves."""

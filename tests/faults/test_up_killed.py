@@ -11,13 +11,9 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
 from services.transport.redis_server import free_port
 from tests.e2e.conftest import launch
 from tests.faults.conftest import complete
-
-pytestmark = pytest.mark.slow
 
 GONE_WITHIN_S = 5.0
 

@@ -15,8 +15,6 @@ from services.transport.redis_server import RedisServer, free_port
 from tests.e2e.conftest import _hermetic_env
 from tests.harness.processes import ServiceProcess
 
-pytestmark = pytest.mark.slow
-
 CAP = 8
 EXTRA_CLIENTS = 5
 

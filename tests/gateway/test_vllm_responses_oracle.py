@@ -92,6 +92,7 @@ async def test_responses_equal_vllms_serving_code_field_by_field(
     _assert_parsed(vllm_python, ours, tmp_path)
 
 
+@pytest.mark.slow  # two more starts of vLLM's code; chat's hermes calls run in every run
 async def test_function_calls_equal_vllms_with_the_hermes_parser(
     vllm_python, start_gateway, start_ledger, tmp_path
 ):

@@ -179,19 +179,25 @@ def _drop_nulls(value: Any) -> Any:
 # vLLM's llama3_json stream sends no arguments for a call whose arguments are {} (its check for
 # arguments skips an empty object); kvledger sends "{}". The one difference kept.
 EMPTY_ARGUMENTS_LOST = ("llama3_json-auto-stream",)
-TOOL_CASES = [(parser, choice) for parser in FORMATS for choice in ("auto", "required", "named")]
+CHOICES = ("auto", "required", "named")
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+# hermes in every run; the other parsers (another minute of vLLM's code) with -m slow.
+@pytest.mark.parametrize(
+    "parsers",
+    [("hermes",), pytest.param(tuple(f for f in FORMATS if f != "hermes"), marks=pytest.mark.slow)],
+    ids=lambda parsers: "+".join(parsers),
+)
 async def test_tool_calls_equal_vllms_parsers(
-    vllm_python, start_gateway, redis_url, prefix, tmp_path
+    parsers, vllm_python, start_gateway, redis_url, prefix, tmp_path
 ):
     """The same output read by kvledger's parser and by vLLM's (--enable-auto-tool-choice
     --tool-call-parser NAME, the same tokenizer), for each parser and tool_choice auto,
     required and named: the same content, tool calls (ids aside) and finish reason, whole and
     streamed (the streamed deltas joined, as a client joins them)."""
     cases, ours = [], {}
-    for parser, choice in TOOL_CASES:
+    for parser, choice in [(parser, choice) for parser in parsers for choice in CHOICES]:
         folder = tool_tokenizer(tmp_path / parser, parser)
         if parser == "mistral" and choice != "auto":
             # vLLM reads a forced choice's bare JSON list with Mistral tokenizers before v11

@@ -242,7 +242,6 @@ def test_smollm2_holds_q4_1_q8_0_f32_and_loads_exactly_as_transformers(smollm2, 
         assert torch.equal(param, state[name]), name
 
 
-@pytest.mark.slow
 def test_smollm2_greedy_tokens_and_logprobs_match_transformers(smollm2_pair):
     ours, hf = smollm2_pair
     tok = load_tokenizer("smollm2")

@@ -108,14 +108,22 @@ class Publisher:
         self.seq, self.sent = 0, []
         self.start()
 
+    def flush(self) -> None:
+        """Waits until the publisher's thread has sent (and buffered for replay) every batch
+        queued so far."""
+        assert self.zmq is not None
+        deadline = time.monotonic() + 5
+        while self.zmq.sent < self.live:
+            assert time.monotonic() < deadline, (self.zmq.sent, self.live)
+            time.sleep(0.001)
+
     def publish(self, payload: bytes, live: bool = True) -> None:
         assert self.zmq is not None
         if live:
             self.zmq.publish(self.seq, payload)
             self.live += 1
         else:  # into the replay buffer only: a batch every subscriber missed live
-            while self.zmq.sent < self.live:  # after the batches queued before it
-                time.sleep(0.001)
+            self.flush()  # after the batches queued before it
             self.zmq.buffer.append((self.seq, payload))
         self.sent.append(payload)
         self.seq += 1
@@ -286,6 +294,7 @@ async def test_a_publisher_restarted_while_the_bridge_was_away_is_caught(redis_u
     publisher.restart()
     for _ in range(15):  # already past the old sequence when the bridge comes back
         publisher.publish(batches.payload())
+    publisher.flush()  # so the replay holds batch 9, and its bytes tell the restart
     resumed = await Running(Bridge(bridge_config(redis_url, prefix, publisher), r)).ready()
     try:
         await resumed.until_forwarded(14)
@@ -362,7 +371,14 @@ async def test_a_replay_answer_that_never_comes_is_asked_for_again(env):
     _, _, publisher = env
     publisher.close()  # a publisher that takes the request and dies before it answers
     hung = zmq.Context.instance().socket(zmq.ROUTER)
-    hung.bind(f"tcp://*:{publisher.ports[1]}")
+    deadline = time.monotonic() + 5
+    while True:  # ZMQ lets go of a closed socket's port in its own thread, a moment later
+        try:
+            hung.bind(f"tcp://*:{publisher.ports[1]}")
+            break
+        except zmq.ZMQError as error:
+            assert error.errno == zmq.EADDRINUSE and time.monotonic() < deadline, error
+            time.sleep(0.02)
     follower = ZmqFollower(f"tcp://127.0.0.1:{publisher.ports[0]}",
                            f"tcp://127.0.0.1:{publisher.ports[1]}", "kv",
                            replay_timeout_s=0.5).open()  # fmt: skip
