@@ -169,6 +169,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--baseline-tree", type=Path,
                         help="a checkout of another commit whose bridge runs too, interleaved "
                              "with this one's (each rep runs both, in alternating order)")  # fmt: skip
+    parser.add_argument("--baseline-name", help="what the baseline tree is, for the JSON")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     trees = {"now": ROOT} | ({"baseline": args.baseline_tree} if args.baseline_tree else {})
@@ -195,10 +196,13 @@ def main(argv: list[str]) -> int:
     for name in trees:
         summary(f"{name} ({trees[name]})", runs[name])
     if args.json:
-        body: dict = {"runs": runs["now"], "args": vars(args) | {"json": None},
-                      "load": os.getloadavg()}  # fmt: skip
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True).stdout.strip()  # fmt: skip
+        body: dict = {"runs": runs["now"], "commit": head, "args": vars(args) | {"json": None},
+                      "load": os.getloadavg(), "cpus": os.cpu_count()}  # fmt: skip
         if args.baseline_tree:
-            body |= {"baseline_runs": runs["baseline"], "baseline_tree": str(args.baseline_tree)}
+            body |= {"baseline_runs": runs["baseline"],
+                     "baseline": args.baseline_name or str(args.baseline_tree)}  # fmt: skip
             body["args"]["baseline_tree"] = str(args.baseline_tree)
         args.json.write_text(json.dumps(body, indent=2))
     return 0
