@@ -409,7 +409,8 @@ def routing_for(
         for name in externals:
             if name in replicas:
                 raise ValueError(f"{name!r} is both a kvledger replica and an external one")
-        replicas |= dict(parse_replicas(",".join(externals), config.stream_prefix))
+        if externals:
+            replicas |= dict(parse_replicas(",".join(externals), config.stream_prefix))
         costs = parse_weights(config.routing_weights) or MeasuredCosts()
         limits = HealthLimits(config.route_stale_after_s, config.route_out_after_s)
     except ValueError as exc:
