@@ -147,6 +147,10 @@ class GatewayRouting:
     def num_pending(self) -> int:
         return 0
 
+    def describe(self) -> dict[str, dict[str, str | None]]:
+        """Each replica's health and why it is out, for /health (empty: one replica)."""
+        return {}
+
     def any_routable(self) -> bool:
         return True
 
@@ -335,6 +339,18 @@ class Replicas(GatewayRouting):
 
     def num_pending(self) -> int:
         return len(self.router.pending) - self.shared.num_remote()
+
+    def describe(self) -> dict[str, dict[str, str | None]]:
+        return {
+            name: {
+                "health": self.health(name).value,
+                "url": self.upstreams.urls[name]
+                if self.upstreams is not None and name in self.upstreams
+                else None,
+                "out_reason": self.out_reason(name),
+            }
+            for name in self.names
+        }
 
     def any_routable(self) -> bool:
         """At least one replica that is not out."""
