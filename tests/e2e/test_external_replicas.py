@@ -86,9 +86,12 @@ def test_routing_between_a_kvledger_replica_and_an_external_server():
         procs = {
             "up-ledger": ServiceProcess(
                 "ledger",
-                {**upstream_env, "KVLEDGER_KV_EVENTS_CONFIG": json.dumps(kv_events),
-                 "KVLEDGER_METRICS_PORT": "0"},
-            ),  # fmt: skip
+                {
+                    **upstream_env,
+                    "KVLEDGER_KV_EVENTS_CONFIG": json.dumps(kv_events),
+                    "KVLEDGER_METRICS_PORT": "0",
+                },
+            ),
             "up-worker": ServiceProcess("worker", upstream_env),
             "up-gateway": ServiceProcess(
                 "gateway",
@@ -96,20 +99,27 @@ def test_routing_between_a_kvledger_replica_and_an_external_server():
             ),
             "bridge": ServiceProcess(
                 "bridge",
-                {**routed_env, "KVLEDGER_REPLICA": "ext",
-                 "KVLEDGER_BRIDGE_ENDPOINT": f"tcp://127.0.0.1:{pub}",
-                 "KVLEDGER_BRIDGE_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}",
-                 "KVLEDGER_MODEL_NAME": "kvledger-tiny-llama"},
-            ),  # fmt: skip
+                {
+                    **routed_env,
+                    "KVLEDGER_REPLICA": "ext",
+                    "KVLEDGER_BRIDGE_ENDPOINT": f"tcp://127.0.0.1:{pub}",
+                    "KVLEDGER_BRIDGE_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{replay}",
+                    "KVLEDGER_MODEL_NAME": "kvledger-tiny-llama",
+                },
+            ),
             "r0-ledger": ServiceProcess(
                 "ledger", {**routed_env, "KVLEDGER_REPLICA": "r0", "KVLEDGER_METRICS_PORT": "0"}
             ),
             "r0-worker": ServiceProcess("worker", {**routed_env, "KVLEDGER_REPLICA": "r0"}),
             "gateway": ServiceProcess(
                 "gateway",
-                {**routed_env, "KVLEDGER_PORT": str(port), "KVLEDGER_REPLICAS": "r0",
-                 "KVLEDGER_EXTERNAL_REPLICAS": f"ext=http://127.0.0.1:{up_port}"},
-            ),  # fmt: skip
+                {
+                    **routed_env,
+                    "KVLEDGER_PORT": str(port),
+                    "KVLEDGER_REPLICAS": "r0",
+                    "KVLEDGER_EXTERNAL_REPLICAS": f"ext=http://127.0.0.1:{up_port}",
+                },
+            ),
         }
         url, upstream = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{up_port}"
         gateway = procs["gateway"]
