@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-
 # Each runs only when -m names it: `slow` (the slow siblings) and `compose` (the compose stack
 # under podman, minutes and a container engine: tests/compose).
 OPT_IN_MARKERS = ("slow", "compose")

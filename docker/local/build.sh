@@ -61,8 +61,9 @@ for _ in 1 2 3 4 5; do
 done
 
 echo "[build] images"
+DEPENDENCIES=$(ls "$CACHE/wheels" | grep -v '^kvledger-' | sha256sum | cut -c1-16)
 podman build --quiet --network none -f "$ROOT/docker/local/Containerfile.kvledger" \
-    -t kvledger:local-debian "$CACHE/wheels" >/dev/null
+    --build-arg DEPENDENCIES="$DEPENDENCIES" -t kvledger:local-debian "$CACHE/wheels" >/dev/null
 podman build --quiet --network none -f "$ROOT/docker/local/Containerfile.redis" \
     -t kvledger-redis:local "$ROOT/docker/local" >/dev/null
 podman build --quiet --network none -f "$ROOT/docker/local/Containerfile.prometheus" \

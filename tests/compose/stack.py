@@ -90,12 +90,15 @@ class Ports:
 def _check(*test: str) -> _Tag:
     """A health check that replaces the base file's whole (podman-compose 1.6 would otherwise
     append this `test` list to the base one)."""
-    return _Tag("!override", {"test": ["CMD", *test], "interval": "5s", "timeout": "5s",
-                              "retries": 24})
+    return _Tag(
+        "!override", {"test": ["CMD", *test], "interval": "5s", "timeout": "5s", "retries": 24}
+    )
 
 
 def _http_check(port: int, path: str = "/health") -> _Tag:
-    probe = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=3)"
+    probe = (
+        f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=3)"
+    )
     return _check("python", "-c", probe)
 
 
@@ -144,8 +147,17 @@ def override(ports: Ports, otlp_port: int, prometheus_config: Path) -> dict[str,
             **host,
             "image": REDIS_IMAGE,
             "pull_policy": "never",
-            "command": ["redis-server", "--bind", "127.0.0.1", "--port", str(ports.redis),
-                        "--save", "", "--appendonly", "no"],
+            "command": [
+                "redis-server",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(ports.redis),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
             "healthcheck": _check("redis-cli", "-p", str(ports.redis), "ping"),
         },
         # Jaeger's image cannot be had here: a stand-in that is healthy once the host's OTLP
@@ -156,36 +168,63 @@ def override(ports: Ports, otlp_port: int, prometheus_config: Path) -> dict[str,
             "pull_policy": "never",
             "entrypoint": ["python", "-c", "import signal; signal.pause()"],
             "healthcheck": _check(
-                "python", "-c",
+                "python",
+                "-c",
                 f"import socket; socket.create_connection(('127.0.0.1', {otlp_port}), 3)",
             ),
         },
-        "ledger-r0": {**kvledger, "environment": env(
-            KVLEDGER_METRICS_PORT=str(ports.ledger_r0), KVLEDGER_METRICS_HOST="127.0.0.1"),
-            "healthcheck": _http_check(ports.ledger_r0)},
-        "ledger-r1": {**kvledger, "environment": env(
-            KVLEDGER_METRICS_PORT=str(ports.ledger_r1), KVLEDGER_METRICS_HOST="127.0.0.1"),
-            "healthcheck": _http_check(ports.ledger_r1)},
-        "gateway": {**kvledger, "environment": env(
-            KVLEDGER_HOST="127.0.0.1", KVLEDGER_PORT=str(ports.gateway)),
-            "healthcheck": _http_check(ports.gateway)},
-        "gateway-2": {**kvledger, "environment": env(
-            KVLEDGER_HOST="127.0.0.1", KVLEDGER_PORT=str(ports.gateway_2)),
-            "healthcheck": _http_check(ports.gateway_2)},
-        "indexer": {**kvledger, "environment": env(),
-                    "command": ["indexer", "--host", "127.0.0.1", "--port", str(ports.indexer),
-                                "--replicas", "r0,r1"],
-                    "healthcheck": _http_check(ports.indexer)},
+        "ledger-r0": {
+            **kvledger,
+            "environment": env(
+                KVLEDGER_METRICS_PORT=str(ports.ledger_r0), KVLEDGER_METRICS_HOST="127.0.0.1"
+            ),
+            "healthcheck": _http_check(ports.ledger_r0),
+        },
+        "ledger-r1": {
+            **kvledger,
+            "environment": env(
+                KVLEDGER_METRICS_PORT=str(ports.ledger_r1), KVLEDGER_METRICS_HOST="127.0.0.1"
+            ),
+            "healthcheck": _http_check(ports.ledger_r1),
+        },
+        "gateway": {
+            **kvledger,
+            "environment": env(KVLEDGER_HOST="127.0.0.1", KVLEDGER_PORT=str(ports.gateway)),
+            "healthcheck": _http_check(ports.gateway),
+        },
+        "gateway-2": {
+            **kvledger,
+            "environment": env(KVLEDGER_HOST="127.0.0.1", KVLEDGER_PORT=str(ports.gateway_2)),
+            "healthcheck": _http_check(ports.gateway_2),
+        },
+        "indexer": {
+            **kvledger,
+            "environment": env(),
+            "command": [
+                "indexer",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(ports.indexer),
+                "--replicas",
+                "r0,r1",
+            ],
+            "healthcheck": _http_check(ports.indexer),
+        },
         "worker-r0": {**kvledger, "environment": env()},
         "worker-r1": {**kvledger, "environment": env()},
         "prometheus": {
             **host,
             "image": PROMETHEUS_IMAGE,
             "pull_policy": "never",
-            "volumes": _Tag("!override", [f"{prometheus_config}:/etc/prometheus/prometheus.yml:ro"]),
-            "command": ["--config.file=/etc/prometheus/prometheus.yml",
-                        "--storage.tsdb.path=/tmp/prometheus",
-                        f"--web.listen-address=127.0.0.1:{ports.prometheus}"],
+            "volumes": _Tag(
+                "!override", [f"{prometheus_config}:/etc/prometheus/prometheus.yml:ro"]
+            ),
+            "command": [
+                "--config.file=/etc/prometheus/prometheus.yml",
+                "--storage.tsdb.path=/tmp/prometheus",
+                f"--web.listen-address=127.0.0.1:{ports.prometheus}",
+            ],
         },
     }
     return {"services": services}
@@ -223,11 +262,16 @@ class Stack:
     def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         command = [
             str(podman_compose()),
-            "--project-name", self.project,
-            "--profile", "monitoring",
-            "-f", str(ROOT / "docker-compose.yml"),
-            "-f", str(ROOT / "docker-compose.cpu.yml"),
-            "-f", str(self.override),
+            "--project-name",
+            self.project,
+            "--profile",
+            "monitoring",
+            "-f",
+            str(ROOT / "docker-compose.yml"),
+            "-f",
+            str(ROOT / "docker-compose.cpu.yml"),
+            "-f",
+            str(self.override),
             *args,
         ]
         # The model is named here, not left to the caller's shell: the seeded tiny Llama.
@@ -253,8 +297,12 @@ class Stack:
     def containers(self) -> dict[str, str]:
         """{service: container name} of this project, running or not."""
         out = podman(
-            "ps", "-a", "--filter", f"label=io.podman.compose.project={self.project}",
-            "--format", "json",
+            "ps",
+            "-a",
+            "--filter",
+            f"label=io.podman.compose.project={self.project}",
+            "--format",
+            "json",
         )
         found = {}
         for entry in json.loads(out or "[]"):
@@ -273,12 +321,16 @@ class Stack:
         while pending:
             names = self.containers()
             pending = [
-                s for s in pending
+                s
+                for s in pending
                 if s not in names
                 or subprocess.run(
                     ["podman", "healthcheck", "run", names[s]],
-                    env=engine_env(), capture_output=True, timeout=30,
-                ).returncode != 0
+                    env=engine_env(),
+                    capture_output=True,
+                    timeout=30,
+                ).returncode
+                != 0
             ]
             if not pending:
                 return
@@ -291,7 +343,10 @@ class Stack:
         for service, name in sorted(self.containers().items()):
             done = subprocess.run(
                 ["podman", "logs", "--tail", str(tail), name],
-                env=engine_env(), capture_output=True, text=True, timeout=30,
+                env=engine_env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
             parts.append(f"--- {service} ({name})\n{done.stdout}{done.stderr}")
         return "\n".join(parts)

@@ -19,23 +19,29 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
-from tests.compose.stack import Stack, build_images, missing_tools
+from tests.compose.stack import ROOT, Stack, build_images, missing_tools
 from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 
 SERVICES_WITH_HEALTH = [
-    "redis", "jaeger", "ledger-r0", "ledger-r1", "gateway", "gateway-2", "indexer",
+    "redis",
+    "jaeger",
+    "ledger-r0",
+    "ledger-r1",
+    "gateway",
+    "gateway-2",
+    "indexer",
 ]
 # Two replicas' worth of block-aligned prompt: the tiny model's byte tokenizer, 16-token blocks.
 PROMPT = "The compose stack serves this prompt twice, and the second time it hits the cache. " * 2
@@ -97,8 +103,16 @@ def _complete(stack: Stack, model: str, port: int | None = None) -> dict[str, An
 def test_every_service_runs_from_the_local_images(stack: Stack) -> None:
     containers = stack.containers()
     assert set(containers) == {
-        "redis", "jaeger", "ledger-r0", "ledger-r1", "worker-r0", "worker-r1",
-        "gateway", "gateway-2", "indexer", "prometheus",
+        "redis",
+        "jaeger",
+        "ledger-r0",
+        "ledger-r1",
+        "worker-r0",
+        "worker-r1",
+        "gateway",
+        "gateway-2",
+        "indexer",
+        "prometheus",
     }
     for service in containers:
         state = stack.inspect(service)
@@ -123,20 +137,56 @@ def test_a_completion_is_served_and_its_repeat_hits_the_prefix_cache(
     assert again["choices"][0]["text"] == first["choices"][0]["text"]  # greedy, same prompt
 
 
+def _tail_events(stack: Stack, replica: str, timeout_s: float = 30) -> list[str]:
+    """`kvledger events` on the host, from the start of one replica's stream, until a
+    BlockStored line (or the timeout): the lines it printed."""
+    command = [
+        sys.executable,
+        "-m",
+        "kvledger",
+        "events",
+        "--redis-url",
+        f"redis://127.0.0.1:{stack.ports.redis}/0",
+        "--stream-prefix",
+        "kvl",
+        "--replica",
+        replica,
+        "--from",
+        "start",
+    ]
+    lines: list[str] = []
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ) as tail:
+        assert tail.stdout is not None
+        timer = threading.Timer(timeout_s, tail.kill)
+        timer.start()
+        try:
+            for line in tail.stdout:
+                lines.append(line.rstrip())
+                if "BlockStored" in line:
+                    break
+        finally:
+            timer.cancel()
+            tail.kill()
+    return lines
+
+
 def test_kv_events_are_read_from_the_host(stack: Stack, model: str) -> None:
     _complete(stack, model)
-    stored = 0
-    for replica in ("r0", "r1"):
-        done = subprocess.run(
-            [sys.executable, "-m", "kvledger", "events",
-             "--redis-url", f"redis://127.0.0.1:{stack.ports.redis}/0",
-             "--stream-prefix", "kvl", "--replica", replica, "--from", "start", "--count", "1"],
-            capture_output=True, text=True, timeout=60,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-        )
-        assert done.returncode == 0, done.stderr
-        stored += len(re.findall(r"stored", done.stdout, re.IGNORECASE))
-    assert stored >= 1, "no BlockStored event on either replica's stream"
+    printed = {replica: _tail_events(stack, replica) for replica in ("r0", "r1")}
+    stored = [
+        re.search(r"BlockStored\s+(\d+) block\(s\) of (\d+)", line)
+        for lines in printed.values()
+        for line in lines
+    ]
+    found = [(int(m.group(1)), int(m.group(2))) for m in stored if m]
+    assert found, printed
+    assert all(size == BLOCK_SIZE and count >= 1 for count, size in found), printed
 
 
 def test_the_indexer_scores_the_prompt_where_it_sits(stack: Stack, model: str) -> None:
@@ -153,18 +203,19 @@ def test_spans_of_every_service_reach_the_host_receiver(
 ) -> None:
     _complete(stack, model)
     for service in ("kvledger-gateway", "kvledger-ledger", "kvledger-worker"):
-        spans = receiver.wait_for_spans(
-            1, timeout=60, where=lambda span, name=service: span["service_name"] == name
-        )
-        assert spans, service
+
+        def of_service(span: dict[str, Any], name: str = service) -> bool:
+            return span["service_name"] == name
+
+        assert receiver.wait_for_spans(1, timeout=60, where=of_service), service
 
 
 def test_prometheus_scrapes_the_gateways_and_ledgers(stack: Stack) -> None:
     deadline = time.monotonic() + 60
     while True:
-        targets = json.loads(
-            _get(f"http://127.0.0.1:{stack.ports.prometheus}/api/v1/targets")
-        )["data"]["activeTargets"]
+        targets = json.loads(_get(f"http://127.0.0.1:{stack.ports.prometheus}/api/v1/targets"))[
+            "data"
+        ]["activeTargets"]
         health = {t["labels"]["instance"]: t["health"] for t in targets}
         if len(health) == 4 and set(health.values()) == {"up"}:
             break
@@ -175,6 +226,7 @@ def test_prometheus_scrapes_the_gateways_and_ledgers(stack: Stack) -> None:
 def test_a_killed_worker_container_is_replaced_and_the_stack_serves_again(
     stack: Stack, model: str
 ) -> None:
+    routed_before = _routed(stack)
     before = stack.inspect("worker-r0")
     # The container's init (catatonit, `init: true`) killed from the host: the container dies
     # as in a crash, and podman's restart policy (unless-stopped) starts it again. (`podman
@@ -192,25 +244,37 @@ def test_a_killed_worker_container_is_replaced_and_the_stack_serves_again(
     restarted = time.monotonic() - killed
     # Served again: both replicas through the gateway (the prompts differ, so the router
     # sends them by load), within the restarted worker's time to come back.
+    # Served again, by the restarted replica too: distinct prompts until r0 has taken some
+    # (the router spreads them by load), within the restarted worker's time to come back.
     replies: list[dict[str, Any]] = []
     deadline = time.monotonic() + 180
-    for index in range(6):
-        body = {"model": model, "prompt": f"after the kill {index}: " + "x" * 40,
-                "max_tokens": 4, "temperature": 0}
-        while True:
-            try:
-                replies.append(
-                    _post(f"http://127.0.0.1:{stack.ports.gateway}/v1/completions", body)
-                )
-                break
-            except (urllib.error.HTTPError, urllib.error.URLError, TimeoutError):
-                assert time.monotonic() < deadline, stack.logs()
-                time.sleep(2)
+    index = 0
+    while len(replies) < 6 or _routed(stack).get("r0", 0) <= routed_before.get("r0", 0):
+        body = {
+            "model": model,
+            "prompt": f"after the kill {index}: " + "x" * 40,
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        index += 1
+        try:
+            replies.append(_post(f"http://127.0.0.1:{stack.ports.gateway}/v1/completions", body))
+        except (urllib.error.HTTPError, urllib.error.URLError, TimeoutError):
+            time.sleep(2)
+        assert time.monotonic() < deadline, (len(replies), _routed(stack), stack.logs())
     served = time.monotonic() - killed
-    print(f"\n[compose] worker-r0 restarted {restarted:.1f} s after the kill; "
-          f"6 completions served {served:.1f} s after it")
+    print(
+        f"\n[compose] worker-r0 restarted {restarted:.1f} s after the kill; "
+        f"{len(replies)} completions served {served:.1f} s after it "
+        f"(routed before/after: {routed_before} / {_routed(stack)})"
+    )
     assert all(r["usage"]["completion_tokens"] == 4 for r in replies)
+
+
+def _routed(stack: Stack) -> dict[str, float]:
+    """{replica: requests the gateway sent there} from its /metrics."""
     metrics = _get(f"http://127.0.0.1:{stack.ports.gateway}/metrics")
-    routed = dict(re.findall(r'^kvledger:routed_requests_total\{[^}]*replica="(\w+)"\} (\S+)$',
-                             metrics, re.M))
-    assert set(routed) == {"r0", "r1"}, routed
+    found = re.findall(
+        r'^kvledger:routed_requests_total\{[^}]*replica="(\w+)"\} (\S+)$', metrics, re.M
+    )
+    return {replica: float(value) for replica, value in found}
