@@ -250,6 +250,8 @@ async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     status = await gw.ledger_status(max_age_s=0)
     gateway = {"gateway_id": gw.gateway_id, "in_flight": gw.in_flight, "settings": gw.settings()}
+    if replicas := gw.routing.describe():
+        gateway["replicas"] = replicas
     if status is None:
         body = {"status": "unavailable", "message": gw.unavailable_message(None), **gateway}
         return web.json_response(body, status=503)

@@ -9,7 +9,9 @@
    the field) against a live ledger's limits;
 4. one job per sequence (`fan_out`: n samples of every prompt, best_of's candidates), each
    routed to a replica and put on its requests stream (`gateway.inflight.Generation`, which
-   `gateway.router` routes), a fan-out a few at a time (`gateway.fanout`);
+   `gateway.router` routes), a fan-out a few at a time (`gateway.fanout`). With external
+   replicas (other OpenAI servers) the whole request goes to one, chosen for its first prompt:
+   there it is proxied unchanged (`gateway.upstream`), and that ends it here;
 5. the reply: one JSON body or server-sent events (`gateway.answer`, bodies in `gateway.bodies`).
 
 The request's SERVER span is the root of its trace; the ledger and the workers join it.
@@ -88,19 +90,29 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
         children = fan_out([resolve(job, limits) for job in jobs])
         assert len(children) == places, "count_sequences and fan_out disagree"
         model, operation = limits.model_name, genai.operation_name(kind)
+        first = Generation(gw, children[0], lambda: client_gone(request), arrival)
+        if gw.upstreams is not None:  # some replicas are other servers: route the request whole
+            first.route = gw.routing.route(children[0], first.req_id)
+            if first.route.replica in gw.upstreams:
+                try:
+                    return await gw.upstreams.proxy(request, raw, first.route.replica)
+                finally:
+                    gw.routing.release(first.req_id)
         with gw.tracer.start_as_current_span(
             genai.span_name(operation, model), record_exception=False,
             set_status_on_exception=False,
         ) as generation:  # fmt: skip
             if generation.is_recording():
                 generation.set_attributes(genai.request_attributes(children[0], operation, model))
-            gens: list[Generation] = []
+            gens: list[Generation] = [first]
             try:
-                for job in children:
-                    response_id = gens[0].response_id if gens else None
-                    gens.append(
-                        Generation(gw, job, lambda: client_gone(request), arrival, response_id)
+                for job in children[1:]:
+                    gen = Generation(
+                        gw, job, lambda: client_gone(request), arrival, first.response_id
                     )
+                    if first.route is not None:  # the request's other sequences follow it
+                        gen.route = gw.routing.pin(job, gen.req_id, first.route.replica)
+                    gens.append(gen)
                 async with contextlib.AsyncExitStack() as stack:
                     fan = FanOut(gens, stack)
                     try:
@@ -112,6 +124,8 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
                     finally:
                         await fan.close()  # nothing more is enqueued once the response ends
             except BaseException as exc:
+                for gen in gens:  # decided before and never entered: no longer pending
+                    gw.routing.release(gen.req_id)
                 error = exc.err_type if isinstance(exc, ApiError) else type(exc).__name__
                 generation.set_attribute(Attr.ERROR_TYPE, error)
                 generation.set_status(Status(StatusCode.ERROR, str(exc)))

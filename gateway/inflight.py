@@ -23,6 +23,7 @@ from services.tokenization.tokenizer import IncrementalDetokenizer
 from services.wire.messages import GenerateRequest, RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
+    from gateway.router import Route
     from gateway.state import Gateway
 
 log = get_logger("gateway.inflight")
@@ -98,6 +99,7 @@ class Generation:
         self._enqueued = False
         self._queue: asyncio.Queue | None = None
         self.replica: str | None = None  # routing's choice, on entry
+        self.route: Route | None = None  # decided before entry (with external replicas)
         # A fan-out puts its generations on the ledger a few at a time (gateway.fanout): one
         # not entered yet waits here before its deltas; `refused` is why it never will be.
         self.entered = asyncio.Event()
@@ -106,7 +108,7 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         # 503 here when every replica is out; pending there until __aexit__ releases it.
-        route = self.gw.routing.route(self.job, self.req_id)
+        route = self.route or self.gw.routing.route(self.job, self.req_id)
         self.replica = route.replica
         # Register before enqueueing: the first output may come back before XADD returns.
         self._queue = self.gw.outputs.register(self.req_id)

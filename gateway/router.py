@@ -5,7 +5,10 @@ One replica (the default): every request goes to it, nothing is followed. Severa
 (`--replicas r0,r1,...`): a `ReplicaSet` follows each replica's KV events and ledger status, and
 a `Router` (services/routing/policy.py) picks one per request under `--routing` (precise by default:
 the prompt's blocks hashed as the ledger will, scored against each replica's resident prefix
-and traded against its load). Each ledger writes a request's outputs to
+and traded against its load). External replicas (`--external-replica NAME=URL`: vLLM servers
+whose KV events `kvledger bridge` writes to replica NAME's keys) are followed and scored the
+same way, with the hash settings given at start-up, and their requests proxied
+(`gateway.upstream`); one whose server does not answer, or hashes otherwise, is out. Each ledger writes a request's outputs to
 `kvl:{replica}:outputs:{gateway_id}` (the replica's own slot in a Redis Cluster), so the gateway
 tails one outputs stream per replica, all feeding the same per-request queues.
 """
@@ -23,9 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gateway.fields import ApiError
 from gateway.output_reader import OutputDispatcher
 from gateway.protocol import Job
+from gateway.upstream import Upstreams
 from observability import Attr, SpanName, get_logger
 from services.config import GatewayConfig
-from services.environment import ConfigError
+from services.environment import ConfigError, env
 from services.routing.costs import CostModel, MeasuredCosts, parse_weights
 from services.routing.policy import (
     HealthLimits,
@@ -34,9 +38,11 @@ from services.routing.policy import (
     RouteDecision,
     Router,
     RouteRequest,
+    routable_block_hashes,
 )
 from services.routing.replicas import ReplicaSet, parse_replicas
 from services.routing.shared import SharedPending
+from services.tokenization.tokenizer import Tokenizer
 from services.transport.keys import StreamNames
 from services.wire import codec
 from services.wire.messages import LedgerStatus
@@ -64,6 +70,7 @@ class GatewayRouting:
     replicas' followed events and status)."""
 
     one_ledger = True  # the gateway mirrors the one ledger's counters on its own /metrics
+    upstreams: Upstreams | None = None  # the external replicas, when there are any
 
     def __init__(
         self,
@@ -129,11 +136,20 @@ class GatewayRouting:
         pending there until `release`."""
         raise NotImplementedError
 
+    def pin(self, job: Job, req_id: str, replica: str) -> Route:
+        """Send this request to `replica`, decided already (another sequence of the same
+        request went there); it counts as pending there until `release`."""
+        return Route(replica)
+
     def release(self, req_id: str) -> None:
         """The request ended: its replica's events and status account for it from now on."""
 
     def num_pending(self) -> int:
         return 0
+
+    def describe(self) -> dict[str, dict[str, str | None]]:
+        """Each replica's health and why it is out, for /health (empty: one replica)."""
+        return {}
 
     def any_routable(self) -> bool:
         return True
@@ -195,8 +211,14 @@ class Replicas(GatewayRouting):
         tracer: Tracer,
         costs: CostModel,
         limits: HealthLimits,
+        upstreams: Upstreams | None = None,
     ) -> None:
         self.replica_set = ReplicaSet(redis, list(replicas.items()), limits=limits)
+        self.upstreams = upstreams
+        # With external replicas, every prompt is hashed with the settings given at start-up
+        # (theirs cannot be read from a server); a replica whose status says otherwise is out.
+        self.hashing = (config.hash_algo, config.block_size) if upstreams is not None else None
+        self._out_logged: dict[str, str] = {}
         self.router = Router(
             config.routing,
             list(replicas),
@@ -218,21 +240,65 @@ class Replicas(GatewayRouting):
         )
         shared.set_function(self.shared.num_remote)
 
+    def health(self, name: str) -> ReplicaHealth:
+        """The replica's health from its events and status; out while `out_reason` says why."""
+        reason = self.out_reason(name)
+        if reason is not None and self._out_logged.get(name) != reason:
+            log.warning("replica_out", replica=name, reason=reason)
+        if reason is None:
+            self._out_logged.pop(name, None)
+            return self.replica_set.health(name)
+        self._out_logged[name] = reason
+        return ReplicaHealth.OUT
+
+    def healths(self) -> dict[str, ReplicaHealth]:
+        return {name: self.health(name) for name in self.names}
+
+    def out_reason(self, name: str) -> str | None:
+        """Why a replica is out whatever its events and status say: its server does not answer
+        (an external one), or it hashes prompts otherwise than the start-up settings."""
+        if self.upstreams is not None and name in self.upstreams:
+            reason = self.upstreams.out_reason(name)
+            if reason is not None:
+                return reason
+        status = self.replica_set.replicas[name].status
+        if self.hashing is None or status is None:
+            return None
+        if status.num_workers == 0 and status.capacity_line.startswith("out:"):
+            return status.capacity_line.removeprefix("out:").strip()  # the bridge's verdict
+        if (status.hash_algo, status.block_size) != self.hashing:
+            return (
+                f"its blocks are {status.block_size} tokens hashed with {status.hash_algo}, the "
+                f"gateway hashes {self.hashing[1]} with {self.hashing[0]} (--block-size, "
+                "--prefix-caching-hash-algo): its KV events could never match a prompt"
+            )
+        return None
+
+    def _block_hashes(self, job: Job) -> tuple[list[int], int]:
+        """The prompt's routable blocks and the block size: the start-up settings' with
+        external replicas, else as the first replica that reported hashes them."""
+        if self.hashing is not None:
+            algo, block_size = self.hashing
+            hasher = self.replica_set.hasher(algo)
+            return (
+                routable_block_hashes(job.prompt_token_ids, hasher, block_size, job.cache_salt),
+                block_size,
+            )
+        for name in self.names:
+            found = self.replica_set.block_hashes(name, job.prompt_token_ids, job.cache_salt)
+            status = self.replica_set.replicas[name].status
+            if found is not None and status is not None:
+                return found, status.block_size
+        return [], 0
+
     def route(self, job: Job, req_id: str) -> Route:
         replicas = self.replica_set
-        hashes: list[int] = []
-        block_size = 0
-        for name in self.names:
-            found = replicas.block_hashes(name, job.prompt_token_ids, job.cache_salt)
-            status = replicas.replicas[name].status
-            if found is not None and status is not None:
-                hashes, block_size = found, status.block_size
-                break
+        hashes, block_size = self._block_hashes(job)
         request = RouteRequest(len(job.prompt_token_ids), hashes, block_size)
         with self.tracer.start_as_current_span(SpanName.ROUTE) as span:
             try:
                 decision = self.router.route(
-                    request, replicas.loads(), replicas.healths(), request_id=req_id,
+                    request, replicas.loads(), self.healths(), request_id=req_id,
                     now=time.time(),  # the clock of the ledgers' status updated_at
                 )  # fmt: skip
             except NoReplicaError as exc:
@@ -256,6 +322,15 @@ class Replicas(GatewayRouting):
         self.shared.routed(req_id)
         return Route(decision.replica, chosen.cached_tokens)
 
+    def pin(self, job: Job, req_id: str, replica: str) -> Route:
+        hashes, block_size = self._block_hashes(job)
+        cached = self.router.pending.cached_blocks(replica, hashes)
+        prefill = max(len(job.prompt_token_ids) - cached * block_size, 0)
+        self.router.pending.add(req_id, replica, hashes, time.time(), prefill)
+        self.shared.routed(req_id)
+        self._routed.labels(replica, self.policy).inc()
+        return Route(replica)
+
     def release(self, req_id: str) -> None:
         entry = self.router.pending.get(req_id)
         self.router.release(req_id)
@@ -265,14 +340,30 @@ class Replicas(GatewayRouting):
     def num_pending(self) -> int:
         return len(self.router.pending) - self.shared.num_remote()
 
+    def describe(self) -> dict[str, dict[str, str | None]]:
+        return {
+            name: {
+                "health": self.health(name).value,
+                "url": self.upstreams.urls[name]
+                if self.upstreams is not None and name in self.upstreams
+                else None,
+                "out_reason": self.out_reason(name),
+            }
+            for name in self.names
+        }
+
     def any_routable(self) -> bool:
         """At least one replica that is not out."""
-        return any(h is not ReplicaHealth.OUT for h in self.replica_set.healths().values())
+        return any(h is not ReplicaHealth.OUT for h in self.healths().values())
 
     def not_ready(self) -> str | None:
         """Not before every replica has published a status or been silent past the out limit,
         nor while every one is out."""
         waiting = self.replica_set.unsettled()
+        started = self.replica_set.started_at
+        out_after_s = self.replica_set.limits.out_after_s
+        if self.upstreams is not None and time.monotonic() - (started or 0.0) < out_after_s:
+            waiting += [n for n in self.upstreams.urls if n not in self.upstreams.probed]
         if waiting:
             return (
                 f"routing waits for the first status of replica(s) {', '.join(waiting)} (at most "
@@ -280,7 +371,9 @@ class Replicas(GatewayRouting):
                 "gateway started)"
             )
         if not self.any_routable():
-            return "every replica is out: their ledgers stopped answering or have no worker"
+            return "every replica is out: their ledgers stopped answering or have no worker" + (
+                "; " + "; ".join(f"{n}: {r}" for n in self.names if (r := self.out_reason(n)))
+            )
         return None
 
     async def read_status(self) -> LedgerStatus | None:
@@ -293,7 +386,7 @@ class Replicas(GatewayRouting):
             for s in states
             if s.status is not None
             and s.status.num_workers > 0
-            and self.replica_set.health(s.name) is not ReplicaHealth.OUT
+            and self.health(s.name) is not ReplicaHealth.OUT
         ]
         pool = usable or seen
         return max(pool, key=lambda status: status.updated_at) if pool else None
@@ -302,11 +395,15 @@ class Replicas(GatewayRouting):
         await super().start()
         await self.replica_set.start()
         await self.shared.start()
+        if self.upstreams is not None:
+            await self.upstreams.start()
 
     async def stop(self) -> None:
         await super().stop()
         await self.replica_set.stop()
         await self.shared.stop()
+        if self.upstreams is not None:
+            await self.upstreams.stop()
 
 
 def routing_for(
@@ -317,20 +414,48 @@ def routing_for(
     tracer: Tracer,
     on_dead_letter: Callable[[str], None],
     on_outage: Callable[[str], None] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> GatewayRouting:
-    """One replica (the default) or several (`--replicas r0,r1,...`)."""
+    """One replica (the default), several (`--replicas r0,r1,...`), or external ones beside
+    (`--external-replica NAME=URL`: then only `--replicas` names kvledger replicas)."""
+    externals = dict(config.external_replicas)
     try:
-        replicas = dict(parse_replicas(config.replicas or config.replica, config.stream_prefix))
+        own = config.replicas or ("" if externals else config.replica)
+        replicas = dict(parse_replicas(own, config.stream_prefix)) if own else {}
+        for name in externals:
+            if name in replicas:
+                raise ValueError(f"{name!r} is both a kvledger replica and an external one")
+        if externals:
+            replicas |= dict(parse_replicas(",".join(externals), config.stream_prefix))
         costs = parse_weights(config.routing_weights) or MeasuredCosts()
         limits = HealthLimits(config.route_stale_after_s, config.route_out_after_s)
     except ValueError as exc:
         raise ConfigError(f"gateway: {exc}") from None
-    if len(replicas) == 1:
+    if not externals and len(replicas) == 1:
         return OneReplica(config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage)
+    upstreams = None
+    if externals:
+        check_hash_settings(config)
+        assert tokenizer is not None, "external replicas need the gateway's tokenizer"
+        upstreams = Upstreams(externals, tokenizer, tracer, registry, config.request_timeout_s)
     return Replicas(
         config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage, tracer,
-        costs, limits,
+        costs, limits, upstreams,
     )  # fmt: skip
+
+
+def check_hash_settings(config: GatewayConfig) -> None:
+    """External replicas' prompts are hashed as their servers hash them, from settings given
+    at start-up; refused when one cannot be known."""
+    if config.routing not in ("precise", "approx"):
+        return  # nothing is hashed to route
+    if config.hash_algo.startswith("xxhash") and env("PYTHONHASHSEED") is None:
+        raise ConfigError(
+            f"gateway: --prefix-caching-hash-algo {config.hash_algo} with external replicas "
+            "needs PYTHONHASHSEED: without it each vLLM server seeds its xxhash block hashes "
+            "with random bytes no router can know. Start `vllm serve` and this gateway with "
+            "the same PYTHONHASHSEED (or use sha256, vLLM's default)"
+        )
 
 
 def _span_attributes(decision: RouteDecision) -> dict:

@@ -65,8 +65,9 @@ class Gateway:
         # Which replica gets each request; its first replica's keys are the gateway's own.
         self.routing = routing_for(
             config, redis, self.gateway_id, self.registry, tracer, self.metrics.record_dead_letter,
-            self.metrics.record_redis_outage,
+            self.metrics.record_redis_outage, tokenizer,
         )  # fmt: skip
+        self.upstreams = self.routing.upstreams  # the external replicas, when there are any
         self.streams = self.routing.primary
         self.outputs: OutputDispatcher = self.routing.outputs
         self.in_flight = 0  # sequences (one per choice or best_of candidate), not HTTP requests

@@ -21,6 +21,11 @@ routers read as a ledger's.
   for what it missed, checking that the batch at that sequence is the one it applied.
 - One writer per replica: the bridge holds the replica's lease (as a ledger does) and its
   appends are fenced by the lease token.
+- Routers hash prompts with the block size, hash algorithm and seed (PYTHONHASHSEED) the bridge
+  is given, and so does the bridge to check them: the first BlockStored events that start a
+  prompt (no parent, no LoRA or extra keys) are hashed from their `token_ids` and compared with
+  the hashes the server sent. When they disagree the replica is out (its status says so, with
+  no worker) and a log line says why; the events are still forwarded.
 """
 
 from __future__ import annotations
@@ -38,16 +43,19 @@ from engine.event_stream import KVEventStream
 from engine.leadership import Leadership
 from ledger.events import (
     AllBlocksCleared,
+    BlockStored,
     EventDecodeError,
     KVEventBatch,
+    decode_batch,
     encode_batch,
 )
+from ledger.hashing import BlockHasher, to_event_hash
 from observability import get_logger
 from services.config import BridgeConfig
 from services.environment import ConfigError
 from services.events.runs import HASHES_FIELD, apply_runs, decode_runs
 from services.events.snapshot import CLEARED, decode_snapshot, snapshot_counts
-from services.events.subscriber import batch_hash_runs
+from services.events.subscriber import batch_hash_runs, event_hash
 from services.events.zmq_follower import Batch, ZmqFollower
 from services.startup import freeze_after_startup
 from services.transport import redis_streams
@@ -59,6 +67,7 @@ log = get_logger("kvledger.bridge")
 SOURCE_SEQ_FIELD = b"source_seq"
 STATUS_INTERVAL_S = 1.0
 MAX_GROUP = 256  # batches appended in one write at most
+HASH_CHECKS = 8  # BlockStored events checked against the hash settings before trusting them
 GC_YOUNG = 50_000  # allocations between two collections of the youngest generation
 
 
@@ -103,6 +112,9 @@ class Bridge:
         self.undecodable = 0
         self.resets: list[str] = []
         self.resumed_at: int | None = None  # the publisher's sequence resumed after
+        self.hasher = BlockHasher(config.hash_algo)  # the seed: PYTHONHASHSEED, as vLLM's
+        self.hash_checks = 0  # BlockStored events found hashed as the settings say
+        self.hash_mismatch: str | None = None  # why they are not (the replica is out)
 
     @property
     def epoch(self) -> str:
@@ -176,6 +188,8 @@ class Bridge:
                 self.undecodable += 1
                 log.error("bridge_batch_undecodable", seq=batch.seq, error=str(exc))
                 continue
+            if self.hash_checks < HASH_CHECKS and self.hash_mismatch is None:
+                self._check_hashes(batch.payload)
             entries.append((batch.payload, runs, {SOURCE_SEQ_FIELD: b"%d" % batch.seq}))
         if not entries:
             return
@@ -189,6 +203,29 @@ class Bridge:
         if appending is not None:
             await appending
             self.forwarded += self._appending_count
+
+    def _check_hashes(self, payload: bytes) -> None:
+        """Hash the batch's prompt-starting BlockStored events as routers will; a disagreement
+        takes the replica out (`status`)."""
+        problem = None
+        for event in decode_batch(payload).events:
+            if problem is not None or self.hash_checks >= HASH_CHECKS:
+                break
+            if not isinstance(event, BlockStored) or event.parent_block_hash is not None:
+                continue  # its parent's full digest is not in the event: nothing to chain from
+            if event.lora_name is not None or any(event.extra_keys or ()):
+                continue  # LoRA, a cache salt or media: not what a plain prompt hashes
+            problem = hash_settings_problem(event, self.hasher, self.cfg.block_size)
+            self.hash_checks += 1
+        if problem is None:
+            return
+        self.hash_mismatch = (
+            f"the server's KV events do not hash as this bridge was told ({problem}); routers "
+            f"hashing prompts with --block-size {self.cfg.block_size}, --prefix-caching-hash-"
+            f"algo {self.cfg.hash_algo} and this PYTHONHASHSEED would never find its blocks. "
+            "Give the bridge and the gateway the server's settings"
+        )
+        log.error("bridge_hash_mismatch", replica=self.streams.replica, reason=self.hash_mismatch)
 
     async def _new_epoch(self, reason: str) -> None:
         """The view of the replica starts over: AllBlocksCleared, then a fresh snapshot."""
@@ -266,7 +303,30 @@ class Bridge:
             vocab_size=0,
             block_size=cfg.block_size,
             num_gpu_blocks=0,
-            capacity_line=f"vLLM server's KV events from {cfg.endpoint} (kvledger bridge)",
+            capacity_line=(
+                f"out: {self.hash_mismatch}"
+                if self.hash_mismatch
+                else f"vLLM server's KV events from {cfg.endpoint} (kvledger bridge)"
+            ),
             hash_algo=cfg.hash_algo,
-            num_workers=1,
+            # No worker: routers send nothing (and the capacity line says why).
+            num_workers=0 if self.hash_mismatch else 1,
         )
+
+
+def hash_settings_problem(event: BlockStored, hasher: BlockHasher, block_size: int) -> str | None:
+    """Why a BlockStored event that starts a prompt is not hashed with `hasher` and
+    `block_size` (None: it is)."""
+    if event.block_size != block_size:
+        return f"its blocks are {event.block_size} tokens, not {block_size}"
+    want = [to_event_hash(h) for h in hasher.hash_blocks(event.token_ids, block_size)]
+    got = [event_hash(h) for h in event.block_hashes]
+    if len(want) < len(got):
+        return f"{len(got)} blocks stored with only {len(event.token_ids)} token_ids"
+    for index, (mine, theirs) in enumerate(zip(want, got, strict=False)):
+        if mine != theirs:
+            return (
+                f"block {index} of a prompt is stored as {theirs:#018x}; {hasher.algo} of its "
+                f"token_ids gives {mine:#018x}"
+            )
+    return None

@@ -134,8 +134,8 @@ def role_flags(
         if f.name in UP_OWNS or f.name in PER_REPLICA or f.name in skip:
             continue
         value = getattr(args, _dest_of(args, flag_of(f)), None)
-        if value is not None:
-            argv += [flag_of(f), str(value)]
+        for one in value if isinstance(value, list) else [] if value is None else [value]:
+            argv += [flag_of(f), str(one)]  # a repeatable flag, once per value
     return argv
 
 

@@ -133,11 +133,14 @@ def _opt(
     help: str,
     parse: Callable[[str], Any] | None = None,
     flags: tuple[str, ...] = (),
+    repeat: bool = False,
 ) -> Any:
     """A config field that argparse exposes as a flag (its name, or `flags`: vLLM's name first)
-    and the environment can set."""
+    and the environment can set. A `repeat` flag may be given several times: `parse` gets the
+    list of its values (or the variable's text)."""
     return field(
-        default=default, metadata={"env": env_name, "help": help, "parse": parse, "flags": flags}
+        default=default,
+        metadata={"env": env_name, "help": help, "parse": parse, "flags": flags, "repeat": repeat},
     )
 
 
@@ -149,6 +152,25 @@ def _replica_name(text: str) -> str:
     if not name or any(c in name for c in "{}:*?[] "):
         raise ValueError(f"{text!r}: a replica name is non-empty, without {{}}:*?[] or spaces")
     return name
+
+
+def parse_external_replicas(raw: str | list[str]) -> tuple[tuple[str, str], ...]:
+    """`--external-replica NAME=URL` (each time the flag is given), or the variable's
+    NAME=URL items separated by commas or spaces, into ((name, base URL), ...)."""
+    items = raw if isinstance(raw, list) else raw.replace(",", " ").split()
+    found: dict[str, str] = {}
+    for item in items:
+        name, sep, url = item.strip().partition("=")
+        if not sep or not url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"{item!r}: give NAME=URL, e.g. vllm0=http://10.0.0.5:8000 (the server's base "
+                "URL, without /v1)"
+            )
+        name = _replica_name(name)
+        if name in found:
+            raise ValueError(f"{name!r} is given twice")
+        found[name] = url.rstrip("/").removesuffix("/v1")
+    return tuple(found.items())
 
 
 def _choice(text: str, allowed: tuple[str, ...]) -> str:
@@ -556,6 +578,26 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
         None,
         "replicas to route across, comma-separated (default: --replica alone)",
     )
+    external_replicas: tuple[tuple[str, str], ...] = _opt(
+        "KVLEDGER_EXTERNAL_REPLICAS",
+        (),
+        "an OpenAI-compatible server (a vLLM server) to route to as replica NAME, as NAME=URL; "
+        "repeatable. `kvledger bridge --replica NAME` follows its KV events; requests sent "
+        "there are proxied unchanged. Its prompts are hashed with this gateway's --model "
+        "tokenizer, --block-size, --prefix-caching-hash-algo and PYTHONHASHSEED, which must be "
+        "the server's (default: none)",
+        parse_external_replicas,
+        flags=("--external-replica",),
+        repeat=True,
+    )
+    hash_algo: str = _opt(
+        "KVLEDGER_HASH_ALGO",
+        "sha256",
+        "prefix-cache hash algorithm of the external replicas (their --prefix-caching-hash-algo): "
+        "sha256, sha256_cbor, xxhash or xxhash_cbor",
+        lambda text: _choice(text, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
+        flags=("--hash-algo", "--prefix-caching-hash-algo"),
+    )
     routing: str = _opt(
         "KVLEDGER_ROUTING",
         "precise",
@@ -678,6 +720,8 @@ def add_arguments(
         help_text = meta["help"] + (f" ({where})" if where else "")
         # A boolean flag alone means true (vLLM's --enable-auto-tool-choice); 0/1 still work.
         takes: dict[str, Any] = {"nargs": "?", "const": "1"} if isinstance(f.default, bool) else {}
+        if meta.get("repeat"):
+            takes = {"action": "append"}
         parser.add_argument(
             *flags, dest=f.name, default=None, help=help_text, metavar=f.name.upper(), **takes
         )

@@ -14,6 +14,7 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_REDIS_URL_FILE": "a file holding the Redis URL (keeps a password out of `ps`)",
     "KVLEDGER_REPLICA": "this replica's name, a hash tag in its keys (default default)",
     "KVLEDGER_REPLICAS": "the gateway's replicas to route across, comma-separated (default: its own)",
+    "KVLEDGER_EXTERNAL_REPLICAS": "gateway: OpenAI-compatible servers (vLLM) to route to, NAME=URL items separated by commas or spaces, each followed by `kvledger bridge --replica NAME`",
     "KVLEDGER_ROUTING": "gateway routing: round_robin, least_loaded, approx or precise (default precise)",
     "KVLEDGER_ROUTING_WEIGHTS": "routing costs in prefill tokens, e.g. prefix=1,running=32,waiting=512,kv_usage=1024",
     "KVLEDGER_ROUTE_STALE_AFTER_S": "seconds a replica's events or ledger status may lag before the gateway stops trusting its events index (default 2)",

@@ -58,9 +58,9 @@ def _status(client: redis.Redis, replica: str) -> LedgerStatus | None:
     return codec.decode(data, LedgerStatus) if data else None
 
 
-# The ledger in every run; the worker (a restarted worker loads torch and its model: over a
-# minute) with -m slow.
-@pytest.mark.parametrize("victim", ["ledger", pytest.param("worker", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~25 s (ledger) and over a minute (worker): in-process siblings in
+# tests/gateway/test_gateway_routing.py and tests/indexer/test_indexer.py run in every run
+@pytest.mark.parametrize("victim", ["ledger", "worker"])
 def test_a_killed_replica_is_scored_by_load_then_out_then_back_and_every_request_ends(victim):
     with RedisServer() as server:
         base = {
