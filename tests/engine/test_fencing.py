@@ -9,6 +9,7 @@ took anyway (paused between its check and its read) is claimed by the leader wit
 from __future__ import annotations
 
 import asyncio
+from typing import Any, cast
 
 import pytest
 
@@ -191,6 +192,9 @@ async def test_every_write_of_a_deposed_leader_is_fenced(redis_url, monkeypatch)
         assert first.held()
         with pytest.raises(LeadershipLost):
             await events.publish([_stored(3)], pool, "e1")
+        for size in (30_000, 100):  # a transaction past BULK_BYTES, the script below
+            with pytest.raises(LeadershipLost):
+                await events.append_many([(b"x" * size, [(0, [4])], None)] * 3, "e1")
         with pytest.raises(LeadershipLost):
             await outputs.send("g", out)
         with pytest.raises(LeadershipLost):
@@ -216,6 +220,57 @@ async def test_every_write_of_a_deposed_leader_is_fenced(redis_url, monkeypatch)
         assert (await _state(r, streams))["outputs"] == 2
     finally:
         await r.aclose()
+
+
+class _CounterMovesAfterCheck:
+    """A Redis client whose transactions have the token counter written by another client just
+    after the fence check read it: the race a bulk write's WATCH must catch."""
+
+    def __init__(self, r, other, token_key: str, value) -> None:
+        self.r, self.other, self.token_key, self.value = r, other, token_key, value
+        self.moves = 1  # how many checks are followed by a move
+
+    def __getattr__(self, name):
+        return getattr(self.r, name)
+
+    def pipeline(self, **kwargs):
+        pipe = self.r.pipeline(**kwargs)
+        read = pipe.get
+
+        async def get(*args):
+            value = await read(*args)
+            if self.moves:
+                self.moves -= 1
+                await self.value(self.other, self.token_key)
+            return value
+
+        pipe.get = get
+        return pipe
+
+
+@pytest.mark.parametrize("successor", [True, False], ids=["successor", "own-renewal"])
+async def test_a_bulk_write_is_fenced_when_the_counter_moves_after_its_check(redis_url, successor):
+    r, other = redis_streams.connect(redis_url), redis_streams.connect(redis_url)
+    streams = StreamNames(f"fence-bulk-{successor}", "r0")
+    try:
+        first = Leadership(r, streams, 30.0)
+        assert await first.acquire(asyncio.Event()) == 1
+
+        async def move(client, key) -> None:  # a successor's INCR, or the same value set again
+            await (client.incr(key) if successor else client.set(key, 1))
+
+        first.r = cast(Any, _CounterMovesAfterCheck(r, other, streams.leader_token, move))
+        ops = [("XADD", streams.events, "*", b"batch", b"x" * 30_000)] * 3  # past BULK_BYTES
+        if successor:
+            with pytest.raises(LeadershipLost, match="fence 1"):
+                await first.write_bulk(*ops)
+            assert await r.xlen(streams.events) == 0
+        else:  # nothing written by the try the move aborted, all of it by the next
+            assert len(await first.write_bulk(*ops)) == 3
+            assert await r.xlen(streams.events) == 3
+    finally:
+        await r.aclose()
+        await other.aclose()
 
 
 def _stored(*hashes: int) -> BlockStored:

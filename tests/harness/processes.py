@@ -22,17 +22,20 @@ class ServiceProcess:
         env: dict[str, str],
         log_path: Path | None = None,
         keep_lines: int | None = None,
+        root: Path = ROOT,
     ) -> None:
         """`log_path`: also append the output there; `keep_lines`: keep only the last lines
-        (enough to say why a process died) instead of everything."""
+        (enough to say why a process died) instead of everything; `root`: the checkout whose
+        code runs (another commit's, for a before/after benchmark)."""
         self.role, self.env, self.log_path, self.keep_lines = role, env, log_path, keep_lines
+        self.root = root
         self.lines: list[str] = []
         self.process: subprocess.Popen[str] | None = None
 
     def start(self) -> ServiceProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvledger.cli", self.role],
-            cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            cwd=self.root, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()

@@ -13,10 +13,11 @@ from services.transport import redis_client, redis_streams, registry
 from services.transport.keys import StreamNames
 from services.wire.messages import WorkerHello
 from tests.e2e import test_parallel_sampling
-from tests.engine import test_ledger_service
+from tests.engine import test_fencing, test_ledger_service
 from tests.harness.gateway_stack import gateway_on
 from tests.harness.stack import Stack, dense_greedy
 from tests.indexer import test_indexer
+from tests.kvledger import test_bridge
 from tests.redis_cluster import RedisClusterServers
 from tests.services.events import test_subscriber
 from tests.services.transport import test_redis_streams
@@ -122,6 +123,26 @@ async def test_transport_on_cluster(cluster):
     )
     await test_redis_streams.test_entries_of_a_dead_consumer_can_be_claimed(cluster.url)
     await test_redis_streams.test_a_dead_letter_keeps_the_entry_and_the_error(cluster.url)
+
+
+async def test_fenced_bulk_writes_on_cluster(cluster):
+    # WATCH, the read of the token counter and MULTI/EXEC of the appends: one slot, one node.
+    for successor in (True, False):
+        await test_fencing.test_a_bulk_write_is_fenced_when_the_counter_moves_after_its_check(
+            cluster.url, successor
+        )
+
+
+async def test_bridge_on_cluster(cluster):
+    r = redis_streams.connect(cluster.url)
+    publisher = test_bridge.Publisher().start()
+    try:
+        await test_bridge.test_the_bridge_writes_the_publishers_batches_as_a_ledger_would(
+            cluster.url, (r, "bcluster", publisher), byte_hashes=False
+        )
+    finally:
+        publisher.close()
+        await r.aclose()
 
 
 async def test_ledger_service_on_cluster(cluster, tiny_model):
