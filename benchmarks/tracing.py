@@ -200,7 +200,8 @@ def start_stack(name: str, args: argparse.Namespace, env_extra: dict[str, str]) 
     env.update(KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000", **env_extra)
     receiver = Receiver() if name != "off" else None
     cmd = [
-        sys.executable, "-m", "kvledger.cli", "up", "--port", str(port), "--device", "cpu",
+        sys.executable, "-m", "kvledger.cli", "up", "--model", args.model, "--port", str(port),
+        "--device", "cpu",
         "--metrics-port", str(free_port()), "--num-gpu-blocks-override", str(args.num_blocks),
         "--kv-cache-memory-bytes", "256MiB", "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs),
@@ -358,6 +359,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--ratio", type=float, default=0.1, help="the sampled stack's ratio")
     parser.add_argument("--num-blocks", type=int, default=512)
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="the model every stack serves (tiny: the issue's; smollm2: a real one)",
+    )
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -396,7 +402,7 @@ def main() -> int:
              "spans 1.0", f"spans {args.ratio:g}"],
             rows,
             title=f"tracing cost: {args.requests} requests, {args.concurrency} concurrent, "
-            f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each, tiny model, CPU "
+            f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each, model {args.model}, CPU "
             f"(load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at the end)",
     )  # fmt: skip
     print(table)

@@ -68,6 +68,9 @@ SOURCE_SEQ_FIELD = b"source_seq"
 STATUS_INTERVAL_S = 1.0
 MAX_GROUP = 256  # batches appended in one write at most
 HASH_CHECKS = 8  # BlockStored events checked against the hash settings before trusting them
+# Batches decoded whole for that check at most: a server whose events never start a plain
+# prompt (LoRA, salts, media everywhere) does not pay the full decode on every batch forever.
+HASH_CHECK_BATCHES = 256
 GC_YOUNG = 50_000  # allocations between two collections of the youngest generation
 
 
@@ -114,6 +117,7 @@ class Bridge:
         self.resumed_at: int | None = None  # the publisher's sequence resumed after
         self.hasher = BlockHasher(config.hash_algo)  # the seed: PYTHONHASHSEED, as vLLM's
         self.hash_checks = 0  # BlockStored events found hashed as the settings say
+        self.hash_batches = 0  # batches decoded whole for that check
         self.hash_mismatch: str | None = None  # why they are not (the replica is out)
 
     @property
@@ -188,7 +192,12 @@ class Bridge:
                 self.undecodable += 1
                 log.error("bridge_batch_undecodable", seq=batch.seq, error=str(exc))
                 continue
-            if self.hash_checks < HASH_CHECKS and self.hash_mismatch is None:
+            if (
+                self.hash_checks < HASH_CHECKS
+                and self.hash_batches < HASH_CHECK_BATCHES
+                and self.hash_mismatch is None
+            ):
+                self.hash_batches += 1
                 self._check_hashes(batch.payload)
             entries.append((batch.payload, runs, {SOURCE_SEQ_FIELD: b"%d" % batch.seq}))
         if not entries:
