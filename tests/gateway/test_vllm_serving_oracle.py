@@ -304,3 +304,47 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
+# --- error bodies: kvledger's against vLLM's create_error_response -------------------------------
+
+# (name, route, body, vLLM's error): each refused by the gateway before any ledger sees it.
+ERRORS: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
+    ("max_tokens_negative", COMPLETIONS, {"prompt": "x", "max_tokens": -1},
+     {"error": "validation", "param": "max_tokens"}),
+    ("temperature_negative", CHATS, {"messages": CHAT, "temperature": -1},
+     {"error": "validation", "param": "temperature"}),
+    ("unknown_model_completion", COMPLETIONS, {"prompt": "x", "model": "gpt-9"},
+     {"error": "unknown_model", "model": "gpt-9", "served": MODEL}),
+    ("unknown_model_chat", CHATS, {"messages": CHAT, "model": "gpt-9"},
+     {"error": "unknown_model", "model": "gpt-9", "served": MODEL}),
+    ("unknown_model_responses", "/v1/responses", {"input": "x", "model": "gpt-9"},
+     {"error": "unknown_model", "model": "gpt-9", "served": MODEL}),
+]  # fmt: skip
+
+
+async def test_error_bodies_equal_vllms(vllm_python, start_gateway, start_ledger, tmp_path):
+    """kvledger's 400 and 404 bodies beside the ones vLLM's create_error_response makes for the
+    same error: the same keys, type, param and code; for an unknown model the same message too
+    (vLLM's words; a 400's message is kvledger's own wording of the same refusal)."""
+    await start_ledger(SCRIPT, model_name=MODEL)
+    client = await start_gateway()
+    ours, cases = {}, []
+    for name, route, body, error in ERRORS:
+        resp = await client.post(route, json={"model": MODEL} | body)
+        ours[name] = (resp.status, await resp.json())
+        message = ours[name][1]["error"]["message"]
+        cases.append({"name": name, "kind": "error", "request": error | {"message": message}})
+    results = run_driver(vllm_python, "vllm_serving_driver", {"cases": cases}, tmp_path)
+    for result in results["results"]:
+        name = result["name"]
+        assert "error" not in result, f"{name}: vLLM's code failed:\n{result['error']}"
+        (theirs,) = result["bodies"]
+        status, mine = ours[name]
+        assert status == theirs["error"]["code"], (name, mine, theirs)
+        assert mine.keys() == theirs.keys() == {"error"}
+        assert mine["error"].keys() == theirs["error"].keys(), (name, mine, theirs)
+        for key in ("type", "param", "code"):
+            assert mine["error"][key] == theirs["error"][key], (name, key, mine, theirs)
+        if name.startswith("unknown_model"):
+            assert mine == theirs

@@ -8,7 +8,8 @@ the generators read are set, as `vllm serve` sets them by default, plus
 --enable-auto-tool-choice --tool-call-parser NAME with the case's tokenizer folder.
 
 Usage: python vllm_serving_driver.py IN.json OUT.json, where IN is {"cases": [case, ...]} and a
-case is {"name", "kind": "completion" | "chat" | "responses", "request": the body sent,
+case is {"name", "kind": "completion" | "chat" | "responses" | "error", "request": the body sent
+(for "error": what `error_body` reads),
 "prompt": its text, "default_max_tokens" (responses: what the context leaves),
 "prompt_token_ids", "prompt_logprobs" (None or vLLM's list: None first, then
 {token id: {"logprob", "rank", "decoded_token"}} per position), "num_cached_tokens",
@@ -163,6 +164,8 @@ async def answer(case: dict[str, Any]) -> list[dict[str, Any]]:
     tokenizer = tokenizer_of(case)
     if case["kind"] == "responses":
         return await responses(case)
+    if case["kind"] == "error":
+        return [error_body(case)]
     if case["kind"] == "completion":
         request = CompletionRequest.model_validate(body)
         server = serving(OpenAIServingCompletion)
@@ -200,6 +203,32 @@ async def answer(case: dict[str, Any]) -> list[dict[str, Any]]:
         request, deltas(case), "chatcmpl-req", MODEL, conversation, tokenizer, meta
     )
     return [event async for event in events(stream)]
+
+
+def error_body(case: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's error body (its create_error_response, which every route answers through) for
+    the error the case names: "validation" (a VLLMValidationError naming `param`),
+    "unknown_model" (_check_model's 404 for `model`, `served` the served names) or
+    "retryable" (a RetryableRequestError: vLLM's 503)."""
+    from http import HTTPStatus
+
+    from vllm.entrypoints.serve import create_error_response
+    from vllm.exceptions import RetryableRequestError, VLLMValidationError
+
+    error = case["request"]
+    if error["error"] == "validation":
+        response = create_error_response(
+            VLLMValidationError(error["message"], parameter=error["param"])
+        )
+    elif error["error"] == "unknown_model":
+        # _check_model's own words and fields (it needs a served model list to run whole)
+        response = create_error_response(
+            f"The model `{error['model']}` does not exist. Valid aliases: {error['served']}.",
+            err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="model",
+        )  # fmt: skip
+    else:
+        response = create_error_response(RetryableRequestError(error["message"]))
+    return json.loads(response.model_dump_json())
 
 
 async def responses(case: dict[str, Any]) -> list[Any]:
