@@ -74,6 +74,7 @@ class Gateway:
         self.closing = False
         self._status: LedgerStatus | None = None
         self._status_read_at = -1e9
+        self._status_reading: asyncio.Future[LedgerStatus | None] | None = None
         # Since when the last status reads found no ledger (or one without workers); None: fine.
         self.stalled_since: float | None = None
         self._aborts: set[asyncio.Task] = set()
@@ -81,10 +82,27 @@ class Gateway:
     # --- ledger liveness ---------------------------------------------------------------------
 
     async def ledger_status(self, max_age_s: float = STATUS_MAX_AGE_S) -> LedgerStatus | None:
-        """The ledger's status key, or None when it is absent (no ledger) or unreadable."""
+        """The ledger's status key, or None when it is absent (no ledger) or unreadable.
+        Callers that find it older than `max_age_s` share one read: a read in flight is as
+        fresh as any (its answer is being made now), and a burst of requests arriving at once
+        would otherwise send one GET each, each taking a pooled connection (and growing the
+        pool) that /health and the requests' own writes then wait for."""
         now = time.monotonic()
         if now - self._status_read_at <= max_age_s:
             return self._status
+        if self._status_reading is None:
+            read = asyncio.ensure_future(self._read_status(now))
+            read.add_done_callback(self._status_read_done)
+            self._status_reading = read
+        # Shielded: one caller cancelled (its client left) does not cancel the others' read.
+        return await asyncio.shield(self._status_reading)
+
+    def _status_read_done(self, read: asyncio.Future[LedgerStatus | None]) -> None:
+        self._status_reading = None
+        if not read.cancelled():
+            read.exception()  # retrieved: when every caller left, nobody else will
+
+    async def _read_status(self, now: float) -> LedgerStatus | None:
         status = await self.routing.read_status()
         # One ledger's counters only mean something when there is one ledger.
         if status is not None and status.metrics and self.routing.one_ledger:

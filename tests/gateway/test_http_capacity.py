@@ -1,13 +1,16 @@
 """Many requests at once: up to max_queue in flight are served (429 only past it), with a
-bounded Redis pool whose callers wait for a connection instead of failing."""
+bounded Redis pool whose callers wait for a connection instead of failing, status reads shared
+by a burst, and /health answering while the gateway refuses one."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 
 from gateway.app import redis_pool_size
+from gateway.state import GATEWAY
 from services.transport import redis_streams
 from tests.gateway.fake_ledger import TEXT, Script
 
@@ -44,3 +47,65 @@ def test_the_pool_is_sized_from_max_queue_and_capped():
     assert redis_pool_size(1) == 33
     assert redis_pool_size(200) == 232
     assert redis_pool_size(100_000) == 256 + 32
+
+
+async def _gets(client) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_get", {}).get("calls", 0))
+
+
+async def test_concurrent_status_reads_share_one_get(start_gateway, start_ledger, redis_url):
+    """A burst that finds the ledger's status stale sends one GET, not one per request (each
+    would take a pooled connection that /health and the requests' writes then wait for)."""
+    await start_ledger()
+    client = await start_gateway()
+    gw = client.app[GATEWAY]
+    admin = redis_streams.connect(redis_url)
+    try:
+        await admin.config_resetstat()
+        statuses = await asyncio.gather(*(gw.ledger_status(max_age_s=0) for _ in range(200)))
+        assert await _gets(admin) == 1
+        assert all(status is statuses[0] and status is not None for status in statuses)
+        # A caller that leaves does not cancel the read the others wait for.
+        first = asyncio.ensure_future(gw.ledger_status(max_age_s=0))
+        second = asyncio.ensure_future(gw.ledger_status(max_age_s=0))
+        await asyncio.sleep(0)
+        first.cancel()
+        assert (await second) is not None
+        assert first.cancelled()
+        # A read after the shared one has finished is a new one.
+        await gw.ledger_status(max_age_s=0)
+        assert await _gets(admin) == 3
+    finally:
+        await admin.aclose()
+
+
+async def test_health_answers_while_a_saturated_gateway_refuses_a_burst(
+    start_gateway, start_ledger
+):
+    """max_queue held by slow requests, then a burst of requests past it (429s) with /health
+    asked in the middle of it: /health still answers, with the queue full. The bound is
+    generous (a loaded CI machine); the timing target is benchmarks/burst.py's."""
+    await start_ledger(Script(delay_s=0.2))
+    client = await start_gateway(max_queue=32, request_timeout_s=60.0)
+    body = {"prompt": "x", "max_tokens": 8}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one() -> int:
+            async with session.post(client.make_url("/v1/completions"), json=body) as resp:
+                await resp.read()
+                return resp.status
+
+        holders = [asyncio.create_task(one()) for _ in range(32)]
+        while client.app[GATEWAY].in_flight < 32:
+            await asyncio.sleep(0.01)
+        burst = [asyncio.create_task(one()) for _ in range(400)]
+        await asyncio.sleep(0)  # the burst's connections are on their way
+        started = time.monotonic()
+        async with asyncio.timeout(5), session.get(client.make_url("/health")) as resp:
+            health = await resp.json()
+        assert resp.status == 200 and health["in_flight"] == 32, health
+        assert time.monotonic() - started < 5
+        refused = await asyncio.gather(*burst)
+        assert set(refused) == {429}
+        assert await asyncio.gather(*holders) == [200] * 32
