@@ -122,8 +122,11 @@ async def kvledger_run(
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, ids: list[int]) -> str:
+        # min_tokens as transformers' min_new_tokens: the end-of-turn token masked until then
+        # (ignore_eos would let it be chosen and decoding go on past it; with ignore_eos
+        # vLLM's min_tokens masks only the request's stop_token_ids, so it is left off).
         body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": new_tokens,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
+                "min_tokens": new_tokens, "temperature": 0}  # fmt: skip
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             data = await resp.json()
             if resp.status != 200:
