@@ -64,6 +64,9 @@ from services.wire.messages import (
 )
 
 log = get_logger("kvledger.ledger")
+# A gateway's marker absent this long is a dead gateway, not a Redis that lost its data (the
+# gateway renews the marker every second and re-makes it after a loss).
+GATEWAY_MISSING_GRACE_S = 3.0
 
 
 class Engine:
@@ -97,6 +100,7 @@ class Engine:
         # Gateways whose marker key the status loop saw (they hold running requests), and the
         # requests of those whose marker then went away, for the engine loop to abort.
         self.gateways_seen: set[str] = set()
+        self.gateways_missing: dict[str, float] = {}  # gateway -> since when its marker is absent
         self.gone_gateways: dict[str, list[str]] = {}
         self.num_gpu_blocks, self.vocab_size = plan.num_gpu_blocks, plan.vocab_size
         self.model_name, self.capacity = plan.model_name, plan.capacity_line
@@ -588,14 +592,25 @@ class Engine:
                     pipe.exists(self.streams.gateway_marker(gateway_id))
                 present = await pipe.execute()
         seen = set()
+        now = time.monotonic()
+        missing = {g: t for g, t in self.gateways_missing.items() if g in by_gateway}
         for gateway_id, there in zip(names, present, strict=True):
             if there:
                 seen.add(gateway_id)
-            elif gateway_id in self.gateways_seen:
-                self.gone_gateways[gateway_id] = by_gateway[gateway_id]
+                missing.pop(gateway_id, None)
+            elif gateway_id in self.gateways_seen or gateway_id in missing:
+                # Gone only once absent past the grace: a live gateway renews its marker every
+                # second, and re-makes it when Redis lost its data (then it fails the requests
+                # written to the lost Redis itself, with a 503; aborting them here would end
+                # them as if their client had left, with the text so far).
+                since = missing.setdefault(gateway_id, now)
+                if now - since >= GATEWAY_MISSING_GRACE_S:
+                    self.gone_gateways[gateway_id] = by_gateway[gateway_id]
+                    del missing[gateway_id]
         # A marker outlives its gateway by the lease, so a gateway that dies just after it
         # sent a request is still seen here first.
         self.gateways_seen = seen
+        self.gateways_missing = missing
 
     def attention_backends(self) -> dict[str, str]:
         """worker id -> the attention backend it chose at start-up (from its hello)."""

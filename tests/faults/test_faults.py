@@ -67,7 +67,6 @@ def test_worker_killed_is_restarted_and_no_request_is_lost():
     _kill_and_recover("worker")
 
 
-@pytest.mark.slow  # a Redis restart without data in every run: test_redis_restart_pool
 def test_redis_restarted_without_its_data_fails_lost_requests_and_serves_again():
     _redis_restart(aof=False)
 
