@@ -9,6 +9,7 @@ from collections.abc import Callable, Container
 from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar, cast
 
+from ledger.hashing import HASH_ALGOS
 from services.environment import ConfigError, env
 from services.tokenization.model_source import DEFAULT_MODEL
 from services.transport.keys import GATEWAY_LEASE_S, StreamNames
@@ -171,6 +172,17 @@ def parse_external_replicas(raw: str | list[str]) -> tuple[tuple[str, str], ...]
             raise ValueError(f"{name!r} is given twice")
         found[name] = url.rstrip("/").removesuffix("/v1")
     return tuple(found.items())
+
+
+def _hash_algo(what: str) -> Any:
+    """The prefix-cache hash algorithm option, under vLLM's flag name: `what` it is for."""
+    return _opt(
+        "KVLEDGER_HASH_ALGO",
+        "sha256",
+        f"{what}: {', '.join(HASH_ALGOS[:-1])} or {HASH_ALGOS[-1]}",
+        lambda text: _choice(text, HASH_ALGOS),
+        flags=("--hash-algo", "--prefix-caching-hash-algo"),
+    )
 
 
 def _choice(text: str, allowed: tuple[str, ...]) -> str:
@@ -358,13 +370,7 @@ class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
     enable_prefix_caching: bool = _opt(
         "KVLEDGER_PREFIX_CACHING", True, "prefix caching on/off", _bool
     )
-    hash_algo: str = _opt(
-        "KVLEDGER_HASH_ALGO",
-        "sha256",
-        "prefix-cache hash algorithm: sha256, sha256_cbor, xxhash or xxhash_cbor",
-        lambda text: _choice(text, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
-        flags=("--hash-algo", "--prefix-caching-hash-algo"),
-    )
+    hash_algo: str = _hash_algo("prefix-cache hash algorithm")
     watermark: float = _opt(
         "KVLEDGER_WATERMARK", 0.0, "share of blocks kept free at admission", float
     )
@@ -590,13 +596,8 @@ class GatewayConfig(CommonConfig, EngineShape, HttpServerConfig):
         flags=("--external-replica",),
         repeat=True,
     )
-    hash_algo: str = _opt(
-        "KVLEDGER_HASH_ALGO",
-        "sha256",
-        "prefix-cache hash algorithm of the external replicas (their --prefix-caching-hash-algo): "
-        "sha256, sha256_cbor, xxhash or xxhash_cbor",
-        lambda text: _choice(text, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
-        flags=("--hash-algo", "--prefix-caching-hash-algo"),
+    hash_algo: str = _hash_algo(
+        "prefix-cache hash algorithm of the external replicas (their --prefix-caching-hash-algo)"
     )
     routing: str = _opt(
         "KVLEDGER_ROUTING",
@@ -668,13 +669,8 @@ class BridgeConfig(CommonConfig, EngineShape):
         "replica's view instead of being filled)",
     )
     topic: str = _opt(None, "", "the publisher's topic (its --kv-events-config topic)")
-    hash_algo: str = _opt(
-        "KVLEDGER_HASH_ALGO",
-        "sha256",
-        "the vLLM server's prefix-caching hash algorithm, for routers that hash prompts: "
-        "sha256, sha256_cbor, xxhash or xxhash_cbor",
-        lambda text: _choice(text, ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")),
-        flags=("--hash-algo", "--prefix-caching-hash-algo"),
+    hash_algo: str = _hash_algo(
+        "the vLLM server's prefix-caching hash algorithm, for routers that hash prompts"
     )
     served_model_name: str = _opt(
         "KVLEDGER_MODEL_NAME", "vllm", "the model name the vLLM server serves",

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from services.transport.redis_server import RedisServer, free_port
-from tests.e2e.conftest import _hermetic_env
+from tests.e2e.conftest import _hermetic_env, _http_status
 from tests.harness.processes import ServiceProcess
 
 UPSTREAM_KEY = "upstream-secret"
@@ -57,11 +57,7 @@ def _replicas(url: str) -> dict:
 
 
 def _ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
+    return _http_status(f"{url}/health") == 200
 
 
 @pytest.mark.slow  # two workers load torch and the tiny model: ~20-30 s on two cores
