@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-# Each runs only when -m names it: `slow` (the slow siblings) and `compose` (the compose stack
-# under podman, minutes and a container engine: tests/compose).
-OPT_IN_MARKERS = ("slow", "compose")
+# Each runs only when -m names it: `slow` (the slow siblings), `compose` (the compose stack
+# under podman, minutes and a container engine: tests/compose), `fuzz` (the long HTTP fuzz),
+# `redis_sizing` (every stream filled to its cap) and `oracle_sweep` (the long vLLM sweep).
+# (`faults` and `emulation_full` leave the run only when no -m is given: their conftests.)
+OPT_IN_MARKERS = ("slow", "compose", "fuzz", "redis_sizing", "oracle_sweep")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

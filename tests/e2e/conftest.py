@@ -174,16 +174,6 @@ def serve(model_dir: str | Path, **settings) -> Iterator[Served]:
         yield served
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long fuzz runs only when asked for by name: `-m fuzz`."""
-    if "fuzz" in (config.getoption("markexpr") or ""):
-        return
-    long_runs = [item for item in items if item.get_closest_marker("fuzz")]
-    if long_runs:
-        config.hook.pytest_deselected(items=long_runs)
-        items[:] = [item for item in items if not item.get_closest_marker("fuzz")]
-
-
 @pytest.fixture(autouse=True)
 def one_torch_thread():
     # The transformers reference is tiny; one thread leaves the other core to the stack.

@@ -98,13 +98,3 @@ def run_driver(
     if done.returncode != 0:
         raise AssertionError(f"{driver} failed in vLLM's venv:\n{done.stderr[-4000:]}")
     return json.loads(target.read_text())
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long sweep runs only when asked for by name: `-m oracle_sweep`."""
-    if "oracle_sweep" in (config.getoption("markexpr") or ""):
-        return
-    sweep = [item for item in items if item.get_closest_marker("oracle_sweep")]
-    if sweep:
-        config.hook.pytest_deselected(items=sweep)
-        items[:] = [item for item in items if not item.get_closest_marker("oracle_sweep")]
