@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -375,6 +377,10 @@ async def print_events(
         seen = 0
         while count == 0 or seen < count:
             entries = await read_from(r, sub.streams.events, sub.last_id, count=64, block_ms=1000)
+            if not entries and _reader_gone(sys.stdout):
+                # `kvledger events | head`: head may take its lines from the pipe's buffer and
+                # leave while we wait for more, so no write ever fails; end as `tail -f` would.
+                return
             for entry_id, fields in entries:
                 sub.last_id = entry_id.decode()
                 batch = decode_batch(fields[b"batch"])
@@ -389,6 +395,17 @@ async def print_events(
                     return
     finally:
         await r.aclose()
+
+
+def _reader_gone(stream) -> bool:
+    """True when `stream` is a pipe whose reading end is closed (poll reports POLLERR)."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(mask & (select.POLLERR | select.POLLHUP) for _, mask in poller.poll(0))
 
 
 def describe(event) -> str:
