@@ -410,10 +410,15 @@ class Engine:
         self.telemetry.on_schedule(out, self.manager)
         await self._publish_events(self.manager.take_events())
         self.manager.reset_prefix_cache()
+        before = {(w, hello.started_at) for w, hello in self.workers.items()}
         self.workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
         self.workers = group_view(
             {w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks}
         )
+        if {(w, hello.started_at) for w, hello in self.workers.items()} != before:
+            # Other workers, other speed: routers read these costs (a restarted worker measured
+            # by its cold first steps would be priced out of every request that could correct it).
+            self.step_costs.restart(skip_steps=self.depth)
         if self.workers:
             self.no_worker_since = None
         log.warning(
