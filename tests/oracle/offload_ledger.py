@@ -1,14 +1,19 @@
-"""Our side of the offloading differential: ledger.offloading's manager behind offload_replay."""
+"""Our side of the offloading differentials: ledger.offloading's manager behind offload_replay,
+its connector behind offload_sim."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ledger.block import KVCacheBlock
 from ledger.events import KVEventBatch, encode_batch
 from ledger.offloading.base import RequestContext
+from ledger.offloading.connector import OffloadingConnectorScheduler
 from ledger.offloading.events import to_kv_events
 from ledger.offloading.manager import CPUOffloadingManager
 from ledger.offloading.policies import ARCPolicy, LRUPolicy
+from ledger.request import Request, RequestStatus
+from ledger.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.oracle.offload_replay import key_bytes
 
 
@@ -93,3 +98,103 @@ class LedgerOffloadBackend:
             order.append(policy.target_t1_size)
         counts = [manager.num_evictable, manager.num_write_pending, manager.num_free_chunks()]
         return {"chunks": chunks, "counts": counts, "order": order}
+
+
+_STATUS = {
+    "waiting_for_kvs": RequestStatus.WAITING,  # the ledger has no separate waiting-for-load
+    "running": RequestStatus.RUNNING,
+    "preempted": RequestStatus.PREEMPTED,
+    "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+    "aborted": RequestStatus.FINISHED_ABORTED,
+}
+
+
+class LedgerConnectorBackend:
+    """ledger.offloading.connector behind offload_sim.Backend."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.block_size = cfg["block_size"]
+        manager = CPUOffloadingManager(cfg["num_chunks"], cfg["policy"], enable_events=True)
+        self.sched = OffloadingConnectorScheduler(
+            manager, self.block_size, num_workers=cfg["num_workers"]
+        )
+        self.reqs: dict[str, Request] = {}
+        self.step = 0
+
+    def add(self, rid: str, prompt: list[int], hashes: list[bytes]) -> None:
+        request: Request = Request(rid, prompt, 1 << 20, block_size=self.block_size)
+        request.block_hashes.extend(hashes)
+        self.reqs[rid] = request
+        self.sched.on_new_request(request)
+
+    def append(self, rid: str, token: int, hashes: list[bytes]) -> None:
+        request = self.reqs[rid]
+        request.append_output_token_ids(token)
+        request.block_hashes.extend(hashes[len(request.block_hashes) :])
+
+    def set_state(self, rid: str, status: str, num_computed: int) -> None:
+        self.reqs[rid].status = _STATUS[status]
+        self.reqs[rid].num_computed_tokens = num_computed
+
+    def matched(self, rid: str, num_local: int) -> list:
+        return list(self.sched.get_num_new_matched_tokens(self.reqs[rid], num_local))
+
+    def after_alloc(self, rid: str, blocks: list[list], num_external: int) -> None:
+        table = []
+        for block_id, hashed in blocks:
+            block = KVCacheBlock(block_id)
+            if hashed:
+                block.block_hash = b"cached"
+            table.append(block)
+        self.sched.update_state_after_alloc(self.reqs[rid], table, num_external)
+
+    def build_meta(self, new, cached, num_scheduled, finished, preempted) -> dict[str, Any]:
+        output: SchedulerOutput = SchedulerOutput(
+            step_id=self.step,
+            scheduled_new_reqs=[
+                NewRequestData(self.reqs[r], [], list(b), self.reqs[r].num_computed_tokens)
+                for r, b in new
+            ],
+            scheduled_cached_reqs=[
+                CachedRequestData(
+                    request=self.reqs[r],
+                    new_token_ids=(),
+                    new_block_ids=tuple(b),
+                    num_computed_tokens=self.reqs[r].num_computed_tokens,
+                )
+                for r, b in cached
+            ],
+            num_scheduled_tokens=dict(num_scheduled),
+            finished_req_ids=set(finished),
+            preempted_req_ids=list(preempted),
+        )
+        self.step += 1
+        meta = self.sched.build_connector_meta(output)
+        loads = [
+            [job_id, job.req_id, job.src, job.dst, [job.first_block_index]]
+            for job_id, job in meta.load_jobs.items()
+        ]
+        stores = [
+            [job_id, job.req_id, job.src, job.dst, [job.first_block_index]]
+            for job_id, job in meta.store_jobs.items()
+        ]
+        return {"loads": loads, "stores": stores, "flush": sorted(meta.jobs_to_flush)}
+
+    def output(self, completed: list) -> None:
+        self.sched.update_connector_output(dict(completed))
+
+    def request_finished(self, rid: str) -> None:
+        assert self.sched.request_finished(self.reqs[rid]) == (False, None)
+
+    def reset(self) -> None:
+        self.sched.reset_cache()
+
+    def events(self) -> str:
+        events = self.sched.take_events()
+        return encode_batch(KVEventBatch(ts=0.0, events=events)).hex() if events else ""
+
+    def probe(self) -> list:
+        policy = self.sched.manager.policy
+        chunks = policy.chunks if isinstance(policy, LRUPolicy) else {**policy.t1, **policy.t2}
+        states = sorted([key.hex()[:16], c.ref_cnt, c.chunk_id] for key, c in chunks.items())
+        return [states, sorted(self.sched.jobs), sorted(self.sched.requests)]
