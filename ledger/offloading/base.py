@@ -17,6 +17,26 @@ from ledger.events import MEDIUM_CPU
 OffloadKey = bytes
 
 
+# vLLM pads each chunk of its CPU buffer to whole pages (mmap.PAGESIZE, 4 KiB on x86 and most
+# arm64 Linux).
+PAGE_SIZE = 4096
+
+
+def num_cpu_chunks(
+    cpu_bytes_to_use: float, worker_kv_bytes_per_block: int, world_size: int = 1
+) -> int:
+    """How many blocks a CPU tier of `cpu_bytes_to_use` holds (vLLM's CPUOffloadingSpec).
+
+    `--kv-offloading-size` GiB sets cpu_bytes_to_use = size * 2**30, summed over the workers: a
+    chunk holds one block of every worker, rounded up to whole pages.
+    """
+    if worker_kv_bytes_per_block <= 0 or world_size <= 0:
+        return 0
+    bytes_per_chunk = worker_kv_bytes_per_block * world_size
+    aligned = -(-bytes_per_chunk // PAGE_SIZE) * PAGE_SIZE
+    return int(cpu_bytes_to_use) // aligned
+
+
 def make_offload_key(block_hash: BlockHash, group_idx: int = 0) -> OffloadKey:
     return block_hash + group_idx.to_bytes(4, "big", signed=False)
 

@@ -13,7 +13,7 @@ import pytest
 
 from ledger.events import KVEventBatch, encode_batch, encode_event
 from ledger.hashing import to_event_hash
-from ledger.offloading.base import LookupResult, RequestContext, make_offload_key
+from ledger.offloading.base import LookupResult, RequestContext, make_offload_key, num_cpu_chunks
 from ledger.offloading.events import to_kv_events
 from ledger.offloading.manager import CPUOffloadingManager
 from ledger.offloading.policies import ARCPolicy
@@ -215,3 +215,17 @@ def test_reset_forgets_everything_and_starts_the_chunks_over() -> None:
 def test_an_unknown_eviction_policy_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="Unknown eviction_policy 'fifo': choose one of lru, arc"):
         CPUOffloadingManager(4, eviction_policy="fifo")
+
+
+def test_the_tier_holds_whole_pages_per_block_of_every_worker() -> None:
+    # The counts vLLM 0.33's CPUOffloadingSpec gives for the same settings (run in its venv).
+    # SmolLM2-135M, block size 16, bf16: 30 layers x 2 x 3 heads x 64 x 16 tokens x 2 bytes.
+    per_block = 30 * 2 * 3 * 64 * 16 * 2
+    assert per_block == 368_640 and per_block % 4096 == 0
+    assert num_cpu_chunks(4 * 2**30, per_block) == 4 * 2**30 // per_block == 11_650
+    # Two workers (TP 2): each holds half the heads, the chunk both halves.
+    assert num_cpu_chunks(4 * 2**30, per_block // 2, world_size=2) == 11_650
+    # A tiny block is padded to a page: 1 GiB is 262,144 pages.
+    assert num_cpu_chunks(1.0 * 2**30, 128) == 262_144
+    assert num_cpu_chunks(0.5 * 2**30, 4097) == 2**29 // 8192
+    assert num_cpu_chunks(2**30, 0) == 0
