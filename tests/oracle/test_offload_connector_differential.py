@@ -29,7 +29,7 @@ from tests.oracle.offload_sim import generate_workload
 
 pytestmark = pytest.mark.oracle
 
-NUM_RANDOM = 40
+NUM_RANDOM = 25
 NUM_SWEEP = 500
 OURS = Path(sys.executable)
 

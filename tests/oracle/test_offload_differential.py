@@ -26,7 +26,7 @@ from tests.oracle.offload_replay import generate_trace, replay
 
 pytestmark = pytest.mark.oracle
 
-NUM_RANDOM = 60
+NUM_RANDOM = 30
 NUM_SWEEP = 1000
 OPS_PER_TRACE = 300
 
