@@ -35,7 +35,13 @@ from itertools import chain
 
 from ledger.block import KVCacheBlock
 from ledger.events import AnyKVCacheEvent
-from ledger.offloading.base import LookupResult, OffloadKey, RequestContext, make_offload_key
+from ledger.offloading.base import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    RequestContext,
+    make_offload_key,
+)
 from ledger.offloading.events import to_kv_events
 from ledger.offloading.manager import CPUOffloadingManager
 from ledger.request import Request, RequestStatus
@@ -385,6 +391,23 @@ class OffloadingConnectorScheduler:
 
     def take_events(self) -> list[AnyKVCacheEvent]:
         return to_kv_events(self.manager.take_events())
+
+    def forget(self) -> list[AnyKVCacheEvent]:
+        """The workers lost the tier (a restart; beyond vLLM, whose tier lives in its own
+        process): the events still due, then one BlockRemoved (medium CPU) of every block it had
+        announced, and the books emptied as `reset_cache` empties them. The jobs in flight died
+        with the workers' steps, so none is flushed and no report of them is awaited."""
+        events = self.take_events()
+        held = self.manager.ready_keys()
+        self.reset_cache()
+        self._batch_jobs_to_flush.clear()
+        self.reset_fence.clear()
+        self.manager.take_events()  # a reset announces nothing of its own
+        if held:
+            events += to_kv_events(
+                [OffloadingEvent(held, removed=True, medium=self.manager.medium)]
+            )
+        return events
 
     def reset_cache(self) -> None:
         """Forget the tier; jobs in flight are flushed and their reports ignored."""
