@@ -371,7 +371,9 @@ class Engine:
         )
         now = time.monotonic()
         self.metrics.record_step(now - started)
-        self.prompt_tokens_computed += prompt_tokens_computed(out)
+        computed = prompt_tokens_computed(out)
+        self.prompt_tokens_computed += computed
+        self.metrics.record_prompt_tokens_computed(computed)
         if out.is_empty:
             return  # the CPU tier's copies alone: no step cost to learn from
         # The time this step held the pipeline: from its dispatch, or from the previous step's

@@ -23,7 +23,7 @@ from typing import Generic
 
 from ledger.capacity import cdiv
 from ledger.events import AnyKVCacheEvent
-from ledger.kv_cache_manager import KVCacheManager
+from ledger.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from ledger.offloading.connector import OffloadingConnectorScheduler
 from ledger.request import P, Request, RequestStatus
 from ledger.request_queue import WaitingQueue
@@ -106,6 +106,10 @@ class Scheduler(Generic[P]):
         self.holding: dict[str, Request[P]] = {}
         self.num_loads = 0
         self.num_loaded_tokens = 0
+        self.num_loaded_blocks = 0
+        self.num_stored_blocks = 0
+        # The tier's lookups past the GPU hit, in tokens (vllm:external_prefix_cache_*).
+        self.connector_prefix_cache_stats = PrefixCacheStats()
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -426,6 +430,9 @@ class Scheduler(Generic[P]):
         connector.update_state_after_alloc(request, manager.get_blocks(request_id), num_external)
         if looked_up:
             manager.record_prefix_cache_stats(request, num_hit_tokens)
+            self.connector_prefix_cache_stats.record(
+                request.num_tokens - num_hit_tokens, num_external, request.num_preemptions > 0
+            )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed  # loaded blocks count as cached
         if load_async:
@@ -544,6 +551,9 @@ class Scheduler(Generic[P]):
             meta = out.kv_transfers = connector.build_connector_meta(out)
             for job_id, job in meta.load_jobs.items():
                 self.load_jobs[job_id] = job.req_id
+                self.num_loaded_blocks += len(job.dst)
+            for job in meta.store_jobs.values():
+                self.num_stored_blocks += len(job.src)
             for request in later:
                 advance(request, num_scheduled_tokens[request.request_id])
 

@@ -74,6 +74,20 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
         assert host is not None and host.blocks_loaded * 16 == scheduler.num_loaded_tokens
         # Loaded requests report their loaded tokens as cached, as vLLM counts external hits.
         assert any(r.final.num_cached_tokens >= 64 for r in on.results.values())
+        # Its metrics: vLLM's connector lookups, and the blocks moved.
+        labels = {"model_name": "kvledger-tiny-llama", "engine": "0"}
+
+        def metric(name: str) -> float | None:
+            return ledger.metrics.registry.get_sample_value(name, labels)
+
+        for _ in range(100):  # the idle loop updates them within half a second
+            if metric("kvledger:cpu_tier_loaded_blocks_total") == scheduler.num_loaded_blocks:
+                break
+            await asyncio.sleep(0.02)
+        assert metric("kvledger:cpu_tier_loaded_blocks_total") == host.blocks_loaded
+        assert metric("kvledger:cpu_tier_stored_blocks_total") == host.blocks_stored
+        assert metric("vllm:external_prefix_cache_hits_total") > 0
+        assert metric("kvledger:prompt_tokens_computed_total") == ledger.prompt_tokens_computed
         # Every GPU block is free; the tier holds what it stored, nothing in flight.
         assert ledger.manager.num_free_blocks == 23 and not ledger.manager.req_to_blocks
         connector = scheduler.connector
