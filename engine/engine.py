@@ -139,9 +139,6 @@ class Engine:
         # What this replica's steps cost, measured from their timings, for routers (the status).
         self.step_costs = StepCostEstimator()
         self._last_step_done = 0.0  # monotonic: when the last step's results were applied
-        # Prompt positions the workers computed (a prefix-cache hit or a load saves them; a
-        # preemption computes them again).
-        self.prompt_tokens_computed = 0
         self._eviction_written = -1e9  # monotonic: the eviction head's last write
         self._eviction_step = -1  # the scheduler step it was written after
         self.telemetry = LedgerTelemetry(tracer, self.metrics, self.scheduler, self.step_costs)
@@ -371,9 +368,6 @@ class Engine:
         )
         now = time.monotonic()
         self.metrics.record_step(now - started)
-        computed = prompt_tokens_computed(out)
-        self.prompt_tokens_computed += computed
-        self.metrics.record_prompt_tokens_computed(computed)
         if out.is_empty:
             return  # the CPU tier's copies alone: no step cost to learn from
         # The time this step held the pipeline: from its dispatch, or from the previous step's
@@ -721,18 +715,6 @@ class Engine:
         await self.leadership.write(
             ("SET", self.streams.ledger_eviction, encode(self.eviction_head()), "PX", 5000)
         )
-
-
-def prompt_tokens_computed(out: SchedulerOutput[Tracked]) -> int:
-    """How many prompt positions a step computed."""
-    scheduled = out.num_scheduled_tokens
-    total = 0
-    for data in (*out.scheduled_new_reqs, *out.scheduled_cached_reqs):
-        start = data.num_computed_tokens
-        end = min(start + scheduled[data.request.request_id], data.request.num_prompt_tokens)
-        if end > start:
-            total += end - start
-    return total
 
 
 def _runs(out: SchedulerOutput[Tracked]) -> bool:

@@ -133,6 +133,7 @@ class LedgerTelemetry:
         self._stats_seen = PrefixCacheStats()
         self._tier_seen = PrefixCacheStats()
         self._tier_blocks_seen = (0, 0)
+        self._prompt_computed_seen = 0
         self._evicted_blocks = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -520,6 +521,10 @@ class LedgerTelemetry:
                 queried_tokens=stats.queries - seen.queries, hit_tokens=stats.hits - seen.hits
             )
             seen.queries, seen.hits = stats.queries, stats.hits
+        computed = scheduler.num_prompt_tokens_computed
+        if computed != self._prompt_computed_seen:
+            self.metrics.record_prompt_tokens_computed(computed - self._prompt_computed_seen)
+            self._prompt_computed_seen = computed
         if scheduler.connector is not None:
             self._update_tier_metrics(scheduler)
 

@@ -92,6 +92,9 @@ class Scheduler(Generic[P]):
         self.running: list[Request[P]] = []
         self.step_id = 0
         self.num_preemptions = 0
+        # Prompt positions sent to the workers to compute (those a prefix-cache hit or the CPU
+        # tier provides are not; a preempted request's are sent again).
+        self.num_prompt_tokens_computed = 0
         # Requests freed since the last step: the workers drop their state.
         self.finished_req_ids: set[str] = set()
         # The CPU tier (None: off). A load job's request, until the workers report the job;
@@ -500,13 +503,19 @@ class Scheduler(Generic[P]):
         get_block_ids = self.kv_cache_manager.get_block_ids
         cached_reqs = out.scheduled_cached_reqs
 
+        prompt_computed = 0
+
         def advance(request: Request[P], num_scheduled: int) -> None:
             # Every token is now on the workers; the request samples once its computed tokens
             # reach its known ones (placeholders included: async tokens still being sampled).
+            nonlocal prompt_computed
             num_tokens = len(request.all_token_ids)
             request.num_tokens_sent = num_tokens
-            num_computed = request.num_computed_tokens + num_scheduled
+            start = request.num_computed_tokens
+            num_computed = start + num_scheduled
             request.num_computed_tokens = num_computed
+            if start < request.num_prompt_tokens:
+                prompt_computed += min(num_computed, request.num_prompt_tokens) - start
             if num_computed >= num_tokens + request.num_output_placeholders:
                 sampling_req_ids.add(request.request_id)
                 if async_scheduling:
@@ -556,6 +565,7 @@ class Scheduler(Generic[P]):
                 self.num_stored_blocks += len(job.src)
             for request in later:
                 advance(request, num_scheduled_tokens[request.request_id])
+        self.num_prompt_tokens_computed += prompt_computed
 
     def _pick_victim(self) -> Request[P]:
         if self.config.policy == "priority":

@@ -29,7 +29,7 @@ two processes agree byte for byte when they share PYTHONHASHSEED.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -257,20 +257,20 @@ class OffloadingConnectorScheduler:
         return meta
 
     def _update_request_states(self, output: SchedulerOutput) -> None:
-        updates: Iterable[tuple[str, Sequence[int], bool]] = chain(
-            ((new.request.request_id, new.block_ids, True) for new in output.scheduled_new_reqs),
-            (
-                (cached.request.request_id, cached.new_block_ids, False)
-                for cached in output.scheduled_cached_reqs
-            ),
-        )
-        for req_id, block_ids, whole_table in updates:
-            state = self.requests[req_id]
-            state.update_offload_keys(self.block_size)
-            if whole_table:
-                state.block_ids.clear()
-            state.block_ids.extend(block_ids)
-            self._batch_allocated.update(b for b in block_ids if b != 0)
+        block_size, requests, allocated = self.block_size, self.requests, self._batch_allocated
+        for new in output.scheduled_new_reqs:
+            state = requests[new.request.request_id]
+            state.update_offload_keys(block_size)
+            state.block_ids[:] = new.block_ids
+            allocated.update(b for b in new.block_ids if b != 0)
+        # Once a step per running request (most of them decoding): only what changed is touched.
+        for cached in output.scheduled_cached_reqs:
+            state = requests[cached.request.request_id]
+            if len(state.request.block_hashes) > len(state.offload_keys):
+                state.update_offload_keys(block_size)
+            if cached.new_block_ids:
+                state.block_ids.extend(cached.new_block_ids)
+                allocated.update(b for b in cached.new_block_ids if b != 0)
 
     def _num_offloadable_tokens(self, request: Request, num_tokens: int) -> int:
         num = min(num_tokens, request.num_tokens)
@@ -279,11 +279,14 @@ class OffloadingConnectorScheduler:
     def _build_store_jobs(self, output: SchedulerOutput) -> dict[int, TransferJob]:
         block_size = self.block_size
         store_jobs: dict[int, TransferJob] = {}
+        prompt_only = self.offload_prompt_only
         for req_id in chain(output.num_scheduled_tokens, output.finished_req_ids):
             state = self.requests.get(req_id)
             if state is None:
                 continue
             request = state.request
+            if prompt_only and state.next_stored_idx >= request.num_prompt_tokens // block_size:
+                continue  # every prompt chunk offered: nothing more to store (decoding requests)
             if request.status == RequestStatus.FINISHED_ABORTED:
                 num_tokens = request.num_computed_tokens
             elif request.is_finished:

@@ -54,7 +54,7 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
     off = await Stack(redis_url, tiny_model, **SETTINGS).start()
     try:
         tokens_off = await serve(off)
-        computed_off = off.ledger.prompt_tokens_computed
+        computed_off = off.ledger.scheduler.num_prompt_tokens_computed
     finally:
         await off.stop()
     on = await Stack(redis_url, tiny_model, kv_offloading_size=TIER_GIB, **SETTINGS).start()
@@ -69,7 +69,10 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
         scheduler = ledger.scheduler
         assert scheduler.num_loads > 0 and scheduler.num_loaded_tokens >= 64
         assert scheduler.num_preemptions > 0
-        assert ledger.prompt_tokens_computed < computed_off - scheduler.num_loaded_tokens // 2
+        assert (
+            ledger.scheduler.num_prompt_tokens_computed
+            < computed_off - scheduler.num_loaded_tokens // 2
+        )
         host = on.worker_services["w0"].runner.host_tier
         assert host is not None and host.blocks_loaded * 16 == scheduler.num_loaded_tokens
         # Loaded requests report their loaded tokens as cached, as vLLM counts external hits.
@@ -81,13 +84,19 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
             return ledger.metrics.registry.get_sample_value(name, labels)
 
         for _ in range(100):  # the idle loop updates them within half a second
-            if metric("kvledger:cpu_tier_loaded_blocks_total") == scheduler.num_loaded_blocks:
+            if metric("kvledger:cpu_tier_loaded_blocks_total") == scheduler.num_loaded_blocks and (
+                metric("kvledger:prompt_tokens_computed_total")
+                == scheduler.num_prompt_tokens_computed
+            ):
                 break
             await asyncio.sleep(0.02)
         assert metric("kvledger:cpu_tier_loaded_blocks_total") == host.blocks_loaded
         assert metric("kvledger:cpu_tier_stored_blocks_total") == host.blocks_stored
         assert metric("vllm:external_prefix_cache_hits_total") > 0
-        assert metric("kvledger:prompt_tokens_computed_total") == ledger.prompt_tokens_computed
+        assert (
+            metric("kvledger:prompt_tokens_computed_total")
+            == ledger.scheduler.num_prompt_tokens_computed
+        )
         # Every GPU block is free; the tier holds what it stored, nothing in flight.
         assert ledger.manager.num_free_blocks == 23 and not ledger.manager.req_to_blocks
         connector = scheduler.connector

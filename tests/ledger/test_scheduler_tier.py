@@ -207,6 +207,8 @@ def test_the_tier_loads_evicted_prefixes_back_and_changes_no_token(seed, policy,
     assert on.outputs == off.outputs and len(on.outputs) == 30
     assert on.worker.loads > 0 and on.scheduler.num_loads == on.worker.loads
     assert on.worker.prompt_tokens_computed < off.worker.prompt_tokens_computed
+    for result in (off, on):  # the scheduler counts what the worker computed
+        assert result.scheduler.num_prompt_tokens_computed == result.worker.prompt_tokens_computed
     for result in (off, on):
         manager = result.scheduler.kv_cache_manager
         assert manager.num_free_blocks == 17 and not manager.req_to_blocks
