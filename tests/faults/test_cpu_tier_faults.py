@@ -4,7 +4,7 @@ back from it): every request ends with the quiet run's text or an explicit error
 worker's empty buffer is never read as if it held the tier, and the ledger publishes the tier's
 blocks removed (medium CPU) when it sees the restart, then fills the tier again.
 
-`slow` (~40 s); the same restart in process, in the default run:
+`slow` (about a minute); the same restart in process, in the default run:
 tests/engine/test_cpu_tier.py::test_a_restarted_worker_takes_the_tier_with_it_and_the_ledger_forgets_it.
 """
 

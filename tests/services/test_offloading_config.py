@@ -93,3 +93,16 @@ def test_up_refuses_a_bad_tier_before_starting_anything(monkeypatch):
     args.kv_transfer_config = transfer(eviction_policy="arc")
     args.kv_offloading_size = "1"
     check_offloading(args)
+
+
+def test_up_hands_the_tier_to_the_ledger_alone():
+    from kvledger import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_parser(parser.add_subparsers())
+    text = transfer(eviction_policy="arc")
+    args = parser.parse_args(["up", "--kv-offloading-size", "2", "--kv-transfer-config", text])
+    assert launcher.role_flags(args, "ledger") == [
+        "--kv-offloading-size", "2", "--kv-transfer-config", text,
+    ]  # fmt: skip
+    assert launcher.role_flags(args, "worker") == launcher.role_flags(args, "gateway") == []
