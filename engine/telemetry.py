@@ -131,6 +131,9 @@ class LedgerTelemetry:
         self.holds: deque[_Hold] = deque(maxlen=MAX_HOLDS)
         self.priority_policy = scheduler is not None and scheduler.config.policy == "priority"
         self._stats_seen = PrefixCacheStats()
+        self._tier_seen = PrefixCacheStats()
+        self._tier_blocks_seen = (0, 0)
+        self._prompt_computed_seen = 0
         self._evicted_blocks = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -518,3 +521,25 @@ class LedgerTelemetry:
                 queried_tokens=stats.queries - seen.queries, hit_tokens=stats.hits - seen.hits
             )
             seen.queries, seen.hits = stats.queries, stats.hits
+        computed = scheduler.num_prompt_tokens_computed
+        if computed != self._prompt_computed_seen:
+            self.metrics.record_prompt_tokens_computed(computed - self._prompt_computed_seen)
+            self._prompt_computed_seen = computed
+        if scheduler.connector is not None:
+            self._update_tier_metrics(scheduler)
+
+    def _update_tier_metrics(self, scheduler: Scheduler) -> None:
+        assert self.metrics is not None
+        stats, seen = scheduler.connector_prefix_cache_stats, self._tier_seen
+        if stats.queries != seen.queries or stats.hits != seen.hits:
+            self.metrics.record_external_prefix_cache(
+                queried_tokens=stats.queries - seen.queries, hit_tokens=stats.hits - seen.hits
+            )
+            seen.queries, seen.hits = stats.queries, stats.hits
+        loaded, stored = scheduler.num_loaded_blocks, scheduler.num_stored_blocks
+        if (loaded, stored) != self._tier_blocks_seen:
+            seen_loaded, seen_stored = self._tier_blocks_seen
+            self.metrics.record_cpu_tier(
+                loaded_blocks=loaded - seen_loaded, stored_blocks=stored - seen_stored
+            )
+            self._tier_blocks_seen = (loaded, stored)

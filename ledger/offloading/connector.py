@@ -29,13 +29,19 @@ two processes agree byte for byte when they share PYTHONHASHSEED.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
 from ledger.block import KVCacheBlock
 from ledger.events import AnyKVCacheEvent
-from ledger.offloading.base import LookupResult, OffloadKey, RequestContext, make_offload_key
+from ledger.offloading.base import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    RequestContext,
+    make_offload_key,
+)
 from ledger.offloading.events import to_kv_events
 from ledger.offloading.manager import CPUOffloadingManager
 from ledger.request import Request, RequestStatus
@@ -251,20 +257,20 @@ class OffloadingConnectorScheduler:
         return meta
 
     def _update_request_states(self, output: SchedulerOutput) -> None:
-        updates: Iterable[tuple[str, Sequence[int], bool]] = chain(
-            ((new.request.request_id, new.block_ids, True) for new in output.scheduled_new_reqs),
-            (
-                (cached.request.request_id, cached.new_block_ids, False)
-                for cached in output.scheduled_cached_reqs
-            ),
-        )
-        for req_id, block_ids, whole_table in updates:
-            state = self.requests[req_id]
-            state.update_offload_keys(self.block_size)
-            if whole_table:
-                state.block_ids.clear()
-            state.block_ids.extend(block_ids)
-            self._batch_allocated.update(b for b in block_ids if b != 0)
+        block_size, requests, allocated = self.block_size, self.requests, self._batch_allocated
+        for new in output.scheduled_new_reqs:
+            state = requests[new.request.request_id]
+            state.update_offload_keys(block_size)
+            state.block_ids[:] = new.block_ids
+            allocated.update(b for b in new.block_ids if b != 0)
+        # Once a step per running request (most of them decoding): only what changed is touched.
+        for cached in output.scheduled_cached_reqs:
+            state = requests[cached.request.request_id]
+            if len(state.request.block_hashes) > len(state.offload_keys):
+                state.update_offload_keys(block_size)
+            if cached.new_block_ids:
+                state.block_ids.extend(cached.new_block_ids)
+                allocated.update(b for b in cached.new_block_ids if b != 0)
 
     def _num_offloadable_tokens(self, request: Request, num_tokens: int) -> int:
         num = min(num_tokens, request.num_tokens)
@@ -273,11 +279,14 @@ class OffloadingConnectorScheduler:
     def _build_store_jobs(self, output: SchedulerOutput) -> dict[int, TransferJob]:
         block_size = self.block_size
         store_jobs: dict[int, TransferJob] = {}
+        prompt_only = self.offload_prompt_only
         for req_id in chain(output.num_scheduled_tokens, output.finished_req_ids):
             state = self.requests.get(req_id)
             if state is None:
                 continue
             request = state.request
+            if prompt_only and state.next_stored_idx >= request.num_prompt_tokens // block_size:
+                continue  # every prompt chunk offered: nothing more to store (decoding requests)
             if request.status == RequestStatus.FINISHED_ABORTED:
                 num_tokens = request.num_computed_tokens
             elif request.is_finished:
@@ -385,6 +394,23 @@ class OffloadingConnectorScheduler:
 
     def take_events(self) -> list[AnyKVCacheEvent]:
         return to_kv_events(self.manager.take_events())
+
+    def forget(self) -> list[AnyKVCacheEvent]:
+        """The workers lost the tier (a restart; beyond vLLM, whose tier lives in its own
+        process): the events still due, then one BlockRemoved (medium CPU) of every block it had
+        announced, and the books emptied as `reset_cache` empties them. The jobs in flight died
+        with the workers' steps, so none is flushed and no report of them is awaited."""
+        events = self.take_events()
+        held = self.manager.ready_keys()
+        self.reset_cache()
+        self._batch_jobs_to_flush.clear()
+        self.reset_fence.clear()
+        self.manager.take_events()  # a reset announces nothing of its own
+        if held:
+            events += to_kv_events(
+                [OffloadingEvent(held, removed=True, medium=self.manager.medium)]
+            )
+        return events
 
     def reset_cache(self) -> None:
         """Forget the tier; jobs in flight are flushed and their reports ignored."""

@@ -283,6 +283,10 @@ class CPUOffloadingManager:
         self.free_list.clear()
         self.num_allocated = 0
 
+    def ready_keys(self) -> list[OffloadKey]:
+        """The keys whose chunk is written (announced with BlockStored), in the policy's order."""
+        return [key for key, chunk in self.policy.items() if chunk.is_ready]
+
     def take_events(self) -> list[OffloadingEvent]:
         if self.events is None:
             return []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 
 from ledger.offloading.base import Chunk, OffloadKey, RequestContext, order_request_keys
 
@@ -36,6 +37,10 @@ class CachePolicy:
         raise NotImplementedError
 
     def clear(self) -> None:
+        raise NotImplementedError
+
+    def items(self) -> Iterable[tuple[OffloadKey, Chunk]]:
+        """Every key the tier holds (being written or not) with its chunk."""
         raise NotImplementedError
 
     def on_store_miss(self, keys: Sequence[OffloadKey], context: RequestContext) -> None:
@@ -173,6 +178,9 @@ class LRUPolicy(CachePolicy):
         # Tail first, so the head of the request's prefix ends the most recent.
         self._refresh(reversed(order_request_keys(keys, context)))
 
+    def items(self) -> Iterable[tuple[OffloadKey, Chunk]]:
+        return self.chunks.items()
+
     def clear(self) -> None:
         self.chunks.clear()
         self.ranks.clear()
@@ -296,6 +304,9 @@ class ARCPolicy(CachePolicy):
                     self.t2[key] = self.t1.pop(key)
                 elif key in self.t2:
                     self.t2.move_to_end(key)
+
+    def items(self) -> Iterable[tuple[OffloadKey, Chunk]]:
+        return chain(self.t1.items(), self.t2.items())
 
     def clear(self) -> None:
         self.t1.clear()
