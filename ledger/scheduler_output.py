@@ -22,7 +22,7 @@ from ledger.block_pool import Eviction
 from ledger.request import P, Request
 
 if TYPE_CHECKING:
-    from ledger.offloading.connector import ConnectorMeta
+    from ledger.offloading.base import ConnectorMeta
 
 
 @dataclass(slots=True)

@@ -126,3 +126,25 @@ def order_request_keys(keys: list[OffloadKey], context: RequestContext) -> list[
     if all(key in positions for key in keys):
         return sorted(keys, key=positions.__getitem__)
     return list(keys)
+
+
+@dataclass(slots=True)
+class TransferJob:
+    """One copy between GPU blocks and CPU chunks, done by every worker for its shard.
+
+    A load copies chunks `src` into GPU blocks `dst`; a store copies GPU blocks `src` into
+    chunks `dst`. `first_block_index` is the position of the first GPU block in the request's
+    block table (vLLM's GPULoadStoreSpec.block_indices, one group).
+    """
+
+    req_id: str
+    src: list[int]
+    dst: list[int]
+    first_block_index: int
+
+
+@dataclass(slots=True)
+class ConnectorMeta:
+    load_jobs: dict[int, TransferJob]
+    store_jobs: dict[int, TransferJob]
+    jobs_to_flush: set[int]

@@ -36,10 +36,12 @@ from itertools import chain
 from ledger.block import KVCacheBlock
 from ledger.events import AnyKVCacheEvent
 from ledger.offloading.base import (
+    ConnectorMeta,
     LookupResult,
     OffloadingEvent,
     OffloadKey,
     RequestContext,
+    TransferJob,
     make_offload_key,
 )
 from ledger.offloading.events import to_kv_events
@@ -50,28 +52,6 @@ from ledger.scheduler_output import SchedulerOutput
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass(slots=True)
-class TransferJob:
-    """One copy between GPU blocks and CPU chunks, done by every worker for its shard.
-
-    A load copies chunks `src` into GPU blocks `dst`; a store copies GPU blocks `src` into
-    chunks `dst`. `first_block_index` is the position of the first GPU block in the request's
-    block table (vLLM's GPULoadStoreSpec.block_indices, one group).
-    """
-
-    req_id: str
-    src: list[int]
-    dst: list[int]
-    first_block_index: int
-
-
-@dataclass(slots=True)
-class ConnectorMeta:
-    load_jobs: dict[int, TransferJob]
-    store_jobs: dict[int, TransferJob]
-    jobs_to_flush: set[int]
 
 
 @dataclass(slots=True)

@@ -87,7 +87,7 @@ def batch_runs(events: list[AnyKVCacheEvent]) -> list[Run]:
     kind = -1
     hashes: list[int] = []
     for event in events:
-        if type(event) is not AllBlocksCleared and not indexed(event.medium):
+        if not isinstance(event, AllBlocksCleared) and not indexed(event.medium):
             continue
         if type(event) is BlockStored:
             if kind != STORED:
