@@ -45,6 +45,7 @@ from observability import (
     format_block_hashes,
     get_logger,
     in_trace,
+    lean_tracer,
     record_span,
     span_context_from_traceparent,
 )
@@ -117,7 +118,7 @@ class LedgerTelemetry:
         scheduler: Scheduler[Tracked] | None = None,
         costs: StepCostEstimator | None = None,
     ) -> None:
-        self.tracer = tracer
+        self.tracer = lean_tracer(tracer)
         self.metrics = metrics
         self.costs = costs  # the queue waits feed the step costs published for routers
         self.scheduler = scheduler

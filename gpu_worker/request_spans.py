@@ -25,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
 
-from observability import Attr, EventName, SpanName, span_context_from_traceparent
+from observability import Attr, EventName, SpanName, lean_tracer, span_context_from_traceparent
 from services.wire.messages import StepMessage
 
 
@@ -78,7 +78,7 @@ class RequestSpans:
         requests: bool = True,
         detailed: bool = False,
     ) -> None:
-        self.tracer = tracer
+        self.tracer = lean_tracer(tracer)
         self.worker_id = worker_id
         self.steps_stream = steps_stream
         self.trace_requests = requests
