@@ -16,7 +16,6 @@ metrics switched on. Then the SDK's own tracer serves, unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import traceback
@@ -33,6 +32,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
+from opentelemetry.util._decorator import _agnosticcontextmanager
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class LeanTracer(trace_api.Tracer):
             record_exception, set_status_on_exception,
         )  # fmt: skip
 
-    @contextlib.contextmanager
+    @_agnosticcontextmanager  # as the SDK's tracer: a context manager, sync or async
     def start_as_current_span(
         self,
         name: str,

@@ -281,7 +281,7 @@ def lean_tracer(tracer: _TracerT) -> _TracerT:
         return tracer
     from observability.lean_spans import lean_tracer as make_lean
 
-    return make_lean(tracer)  # type: ignore[no-any-return]
+    return make_lean(tracer)
 
 
 def detailed_traces() -> bool:
