@@ -243,20 +243,17 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
     (by identity: a provider's spans share one Resource object)."""
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
     for span in spans:
-        resource, scope = span.resource, span.instrumentation_scope
+        if type(span) is ReadableSpan:
+            resource, scope = span._resource, span._instrumentation_scope
+        else:
+            resource, scope = span.resource, span.instrumentation_scope
         scopes = groups.setdefault(id(resource), (resource, {}))[1]
         scopes.setdefault(id(scope), (scope, []))[1].append(encode_span(span))
     request = []
     for resource, scopes in groups.values():
-        body = _length_delimited(b"\x0a", _attributes(b"\x0a", resource.attributes))
+        body = _resource_field(resource)
         for scope, encoded in scopes.values():
-            scope_body = b""
-            if scope is not None:
-                scope_body = _string(b"\x0a", scope.name) if scope.name else b""
-                if scope.version:
-                    scope_body += _string(b"\x12", scope.version)
-                scope_body += _attributes(b"\x1a", scope.attributes)
-            scope_spans = _length_delimited(b"\x0a", scope_body)
+            scope_spans = _scope_field(scope)
             scope_spans += b"".join(_length_delimited(b"\x12", s) for s in encoded)
             if scope is not None and scope.schema_url:
                 scope_spans += _string(b"\x1a", scope.schema_url)
@@ -265,6 +262,40 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
             body += _string(b"\x1a", resource.schema_url)
         request.append(_length_delimited(b"\x0a", body))
     return b"".join(request)
+
+
+# Resources and scopes are immutable and few (one a provider, one a tracer): each is encoded
+# once. Keyed by identity, the object kept beside its bytes so that its id is never reused.
+_resource_fields: dict[int, tuple[Any, bytes]] = {}
+_scope_fields: dict[int, tuple[Any, bytes]] = {}
+_MAX_CACHED = 256
+
+
+def _resource_field(resource: Any) -> bytes:
+    cached = _resource_fields.get(id(resource))
+    if cached is not None and cached[0] is resource:
+        return cached[1]
+    field = _length_delimited(b"\x0a", _attributes(b"\x0a", resource.attributes))
+    if len(_resource_fields) < _MAX_CACHED:
+        _resource_fields[id(resource)] = (resource, field)
+    return field
+
+
+def _scope_field(scope: Any) -> bytes:
+    """ScopeSpans.scope (an InstrumentationScope message, empty for None)."""
+    cached = _scope_fields.get(id(scope))
+    if cached is not None and cached[0] is scope:
+        return cached[1]
+    body = b""
+    if scope is not None:
+        body = _string(b"\x0a", scope.name) if scope.name else b""
+        if scope.version:
+            body += _string(b"\x12", scope.version)
+        body += _attributes(b"\x1a", scope.attributes)
+    field = _length_delimited(b"\x0a", body)
+    if len(_scope_fields) < _MAX_CACHED:
+        _scope_fields[id(scope)] = (scope, field)
+    return field
 
 
 def fast_otlp_http_exporter(endpoint: str) -> Any:
