@@ -19,7 +19,7 @@ decode spans are ended by `close_all` (idle, new epoch, shutdown), so none is lo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from itertools import chain
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -29,23 +29,32 @@ from observability import Attr, EventName, SpanName, lean_tracer, span_context_f
 from services.wire.messages import StepMessage
 
 
+class _StepRef:
+    """The span of one step, filled in once the step's span exists (after the requests' work in
+    it has been counted): a decode run points at the ref of its first and last steps."""
+
+    __slots__ = ("context",)
+
+    def __init__(self) -> None:
+        self.context: SpanContext | None = None
+
+
 class _Decode:
     __slots__ = (
         "compute_ns",
         "first_step",
-        "first_step_context",
         "last_end_ns",
         "last_step",
-        "last_step_context",
+        "last_step_ref",
         "num_steps",
         "num_tokens",
         "span",
     )
 
-    def __init__(self, span: Span, step_id: int, step_context: SpanContext | None) -> None:
+    def __init__(self, span: Span, step_id: int, step_ref: _StepRef) -> None:
         self.span = span
         self.first_step = self.last_step = step_id
-        self.first_step_context = self.last_step_context = step_context
+        self.last_step_ref = step_ref
         self.num_steps = self.num_tokens = self.compute_ns = self.last_end_ns = 0
 
 
@@ -111,17 +120,25 @@ class RequestSpans:
                         new.num_preemptions,
                     )  # fmt: skip
         scheduled = step.num_scheduled_tokens
+        step_ref = _StepRef()
         prefills: list[Span] = []
-        decodes: list[_Request] = []
+        started: list[_Decode] = []  # decode runs that began in this step
+        decodes: list[_Request] = []  # with --collect-detailed-traces: every decoding request
         links: list[Link] = []
         num_traced = 0
         if requests:
-            for req_id, position in _positions(step):
-                request = requests.get(req_id)
+            # Per step and traced request only counters move: this loop runs for every request
+            # of every step, so the spans' ends are computed once, when a run ends.
+            get, step_id, detailed = requests.get, step.step_id, self.detailed
+            step_ns = end_ns - start_ns
+            for data in chain(step.new_reqs, step.cached_reqs):
+                request = get(data.req_id)
                 if request is None:
                     continue
+                req_id = data.req_id
                 num_tokens = scheduled.get(req_id, 0)
                 num_traced += 1
+                position = data.num_computed_tokens
                 if position < request.prefill_until:
                     span = self._prefill_span(request, step, position, num_tokens, start_ns)
                     prefills.append(span)
@@ -129,54 +146,56 @@ class RequestSpans:
                     if request.decode is not None:  # a chunk after decoding: not expected
                         self._end_decode(request, "prefill")
                     continue
-                if request.decode is None:
-                    request.decode = _Decode(
+                decode = request.decode
+                if decode is None:
+                    decode = request.decode = _Decode(
                         self.tracer.start_span(
                             SpanName.DECODE,
                             context=request.parent,
                             start_time=start_ns,
                             attributes={Attr.REQUEST_ID: req_id},
                         ),
-                        step.step_id,
-                        None,
+                        step_id,
+                        step_ref,
                     )
-                decode = request.decode
+                    started.append(decode)
+                    links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
+                elif detailed:
+                    links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
                 decode.num_steps += 1
                 decode.num_tokens += num_tokens
-                decode.compute_ns += end_ns - start_ns
-                decode.last_step, decode.last_end_ns = step.step_id, end_ns
-                decodes.append(request)
-                if decode.num_steps == 1 or self.detailed:
-                    links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
+                decode.compute_ns += step_ns
+                decode.last_step, decode.last_end_ns = step_id, end_ns
+                decode.last_step_ref = step_ref
+                if detailed:
+                    decodes.append(request)
         step_span = self._step_span(step, start_ns, links, num_traced)
         if error is not None:
             step_span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
         step_context = step_span.get_span_context() if step_span.is_recording() else None
+        step_ref.context = step_context
         for span in prefills:
             if step_context is not None:
                 span.add_link(step_context)
             if error is not None:
                 span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
             span.end(end_time=end_ns)
+        if step_context is not None:
+            for run in started:  # a decode run links to its first step (and, ended, its last)
+                run.span.add_link(step_context)
         for request in decodes:
             run = request.decode
             assert run is not None
-            if run.first_step_context is None and run.num_steps == 1:
-                run.first_step_context = step_context
-                if step_context is not None:
-                    run.span.add_link(step_context)
-            run.last_step_context = step_context
-            if self.detailed:
-                run.span.add_event(
-                    EventName.STEP,
-                    {
-                        Attr.STEP_ID: step.step_id,
-                        Attr.BATCH_SIZE: len(scheduled),
-                        Attr.NUM_TOKENS: scheduled.get(request.req_id, 0),
-                        Attr.COMPUTE_S: (end_ns - start_ns) / 1e9,
-                    },
-                    timestamp=start_ns,
-                )
+            run.span.add_event(
+                EventName.STEP,
+                {
+                    Attr.STEP_ID: step.step_id,
+                    Attr.BATCH_SIZE: len(scheduled),
+                    Attr.NUM_TOKENS: scheduled.get(request.req_id, 0),
+                    Attr.COMPUTE_S: (end_ns - start_ns) / 1e9,
+                },
+                timestamp=start_ns,
+            )
         step_span.end(end_time=end_ns)
 
     def _prefill_span(
@@ -203,15 +222,22 @@ class RequestSpans:
     def _step_span(
         self, step: StepMessage, start_ns: int, links: list[Link], num_traced: int
     ) -> Span:
-        scheduled = step.num_scheduled_tokens
-        num_tokens = sum(scheduled.values())
-        decode_tokens = sum(1 for r in step.cached_reqs if scheduled.get(r.req_id) == 1)
-        return self.tracer.start_span(
+        # What the sampler reads first (kvledger_sampler keeps a step that computed sampled
+        # requests); the rest only for a step whose span is recorded.
+        span = self.tracer.start_span(
             SpanName.STEP,
             kind=SpanKind.CONSUMER,
             start_time=start_ns,
             links=links,
-            attributes={
+            attributes={Attr.NUM_TRACED_REQUESTS: num_traced},
+        )
+        if not span.is_recording():
+            return span
+        scheduled = step.num_scheduled_tokens
+        num_tokens = sum(scheduled.values())
+        decode_tokens = sum(1 for r in step.cached_reqs if scheduled.get(r.req_id) == 1)
+        span.set_attributes(
+            {
                 Attr.STEP_ID: step.step_id,
                 Attr.WORKER_ID: self.worker_id,
                 Attr.BATCH_SIZE: len(scheduled),
@@ -222,9 +248,10 @@ class RequestSpans:
                 Attr.MESSAGING_OPERATION_TYPE: "process",
                 Attr.MESSAGING_DESTINATION_NAME: self.steps_stream,
                 Attr.MESSAGING_BATCH_MESSAGE_COUNT: len(scheduled),
-                Attr.NUM_TRACED_REQUESTS: num_traced,
-            },
+                Attr.NUM_TRACED_REQUESTS: num_traced,  # set again: last, where it always was
+            }
         )
+        return span
 
     # ------------------------------------------------------------------ ends
 
@@ -249,7 +276,7 @@ class RequestSpans:
                 Attr.NUM_PREEMPTIONS: request.num_preemptions,
             }
         )
-        last = decode.last_step_context
+        last = decode.last_step_ref.context
         if last is not None and decode.last_step != decode.first_step:
             span.add_link(last)
         span.end(end_time=decode.last_end_ns or time.time_ns())
@@ -267,11 +294,3 @@ class RequestSpans:
             if request.decode is not None:
                 self._end_decode(request, why)
         self.requests.clear()
-
-
-def _positions(step: StepMessage) -> Iterable[tuple[str, int]]:
-    """(req_id, the position of its first token computed in this step) for every request."""
-    for new in step.new_reqs:
-        yield new.req_id, new.num_computed_tokens
-    for cached in step.cached_reqs:
-        yield cached.req_id, cached.num_computed_tokens
