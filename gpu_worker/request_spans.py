@@ -19,6 +19,7 @@ decode spans are ended by `close_all` (idle, new epoch, shutdown), so none is lo
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from itertools import chain
 
 from opentelemetry import trace
@@ -26,7 +27,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
 
 from observability import Attr, EventName, SpanName, lean_tracer, span_context_from_traceparent
-from services.wire.messages import StepMessage
+from services.wire.messages import CachedRequestData, NewRequestData, StepMessage
 
 
 class _StepRef:
@@ -131,7 +132,9 @@ class RequestSpans:
             # of every step, so the spans' ends are computed once, when a run ends.
             get, step_id, detailed = requests.get, step.step_id, self.detailed
             step_ns = end_ns - start_ns
-            for data in chain(step.new_reqs, step.cached_reqs):
+            work: Iterable[NewRequestData | CachedRequestData]
+            work = chain(step.new_reqs, step.cached_reqs)
+            for data in work:
                 request = get(data.req_id)
                 if request is None:
                     continue
@@ -184,9 +187,8 @@ class RequestSpans:
             for run in started:  # a decode run links to its first step (and, ended, its last)
                 run.span.add_link(step_context)
         for request in decodes:
-            run = request.decode
-            assert run is not None
-            run.span.add_event(
+            assert request.decode is not None
+            request.decode.span.add_event(
                 EventName.STEP,
                 {
                     Attr.STEP_ID: step.step_id,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from time import time_ns
 from typing import Any
 
@@ -32,7 +32,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
-from opentelemetry.util._decorator import _agnosticcontextmanager
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +140,7 @@ class LeanTracer(trace_api.Tracer):
             record_exception, set_status_on_exception,
         )  # fmt: skip
 
-    @_agnosticcontextmanager  # as the SDK's tracer: a context manager, sync or async
-    def start_as_current_span(
+    def start_as_current_span(  # type: ignore[override]
         self,
         name: str,
         context: context_api.Context | None = None,
@@ -153,16 +151,49 @@ class LeanTracer(trace_api.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
         end_on_exit: bool = True,
-    ) -> Iterator[trace_api.Span]:
+    ) -> _CurrentSpan:
+        """As the SDK's (the span current inside, ended on exit, an exception recorded and the
+        status set as `trace.use_span` does), in one object instead of two generators."""
         span = self.start_span(
             name, context, kind, attributes, links, start_time, record_exception,
             set_status_on_exception,
         )  # fmt: skip
-        with trace_api.use_span(
-            span, end_on_exit=end_on_exit, record_exception=record_exception,
-            set_status_on_exception=set_status_on_exception,
-        ) as span:  # fmt: skip
-            yield span
+        return _CurrentSpan(span, end_on_exit, record_exception, set_status_on_exception)
+
+
+class _CurrentSpan:
+    __slots__ = ("end_on_exit", "record_exception", "set_status_on_exception", "span", "token")
+
+    def __init__(
+        self,
+        span: trace_api.Span,
+        end_on_exit: bool,
+        record_exception: bool,
+        set_status_on_exception: bool,
+    ) -> None:
+        self.span = span
+        self.end_on_exit = end_on_exit
+        self.record_exception = record_exception
+        self.set_status_on_exception = set_status_on_exception
+        self.token: object = None
+
+    def __enter__(self) -> trace_api.Span:
+        self.token = context_api.attach(trace_api.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        span = self.span
+        try:
+            context_api.detach(self.token)  # type: ignore[arg-type]
+            # As use_span: exceptions, not every BaseException (GeneratorExit is no error).
+            if isinstance(exc, Exception) and span.is_recording():
+                if self.record_exception:
+                    span.record_exception(exc)
+                if self.set_status_on_exception:
+                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        finally:
+            if self.end_on_exit:
+                span.end()
 
 
 class LeanSpan(trace_api.Span):
