@@ -21,13 +21,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from itertools import chain
+from operator import attrgetter
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
 
-from observability import Attr, EventName, SpanName, lean_tracer, span_context_from_traceparent
+from observability import (
+    Attr,
+    EventName,
+    SpanName,
+    lean_tracer,
+    never_sampled,
+    span_context_from_traceparent,
+)
 from services.wire.messages import CachedRequestData, NewRequestData, StepMessage
+
+_REQ_ID = attrgetter("req_id")
 
 
 class _StepRef:
@@ -111,6 +121,8 @@ class RequestSpans:
         if self.trace_requests:
             for new in step.new_reqs:
                 self._forget(new.req_id, "resumed")
+                if never_sampled(new.traceparent):
+                    continue
                 span_context = span_context_from_traceparent(new.traceparent)
                 if span_context is not None and span_context.trace_flags.sampled:
                     parent = trace.set_span_in_context(
@@ -237,7 +249,8 @@ class RequestSpans:
             return span
         scheduled = step.num_scheduled_tokens
         num_tokens = sum(scheduled.values())
-        decode_tokens = sum(1 for r in step.cached_reqs if scheduled.get(r.req_id) == 1)
+        # a running request computing one token decodes (counted in C: this runs every step)
+        decode_tokens = [*map(scheduled.get, map(_REQ_ID, step.cached_reqs))].count(1)
         span.set_attributes(
             {
                 Attr.STEP_ID: step.step_id,

@@ -519,6 +519,18 @@ def extract_context(traceparent: str | bytes | None) -> Context:
     return trace.set_span_in_context(NonRecordingSpan(span_context), Context())
 
 
+def never_sampled(traceparent: str | bytes | None) -> bool:
+    """True when a traceparent cannot name a sampled span (none, or the W3C form whose flags'
+    sampled bit is clear), found without parsing it: what a role that records only sampled
+    traces needs to know of the rest. False means: parse it (it may still be unsampled)."""
+    if traceparent is None:
+        return True
+    return type(traceparent) is str and len(traceparent) == 55 and traceparent[54] not in _ODD_HEX
+
+
+_ODD_HEX = frozenset("13579bdfBDF")
+
+
 def span_context_from_traceparent(traceparent: str | bytes | None) -> SpanContext | None:
     """The remote SpanContext a traceparent names, or None for garbage; never raises."""
     if isinstance(traceparent, bytes):

@@ -23,7 +23,13 @@ from opentelemetry.trace import (
 
 from observability.lean_spans import LeanSpan, LeanTracer
 from observability.otlp_encoding import encode_spans
-from observability.tracing import Attr, kvledger_sampler, lean_tracer
+from observability.tracing import (
+    Attr,
+    kvledger_sampler,
+    lean_tracer,
+    never_sampled,
+    span_context_from_traceparent,
+)
 from tests.observability import test_otlp_encoding as shapes
 
 
@@ -169,3 +175,28 @@ def test_a_lean_tracer_follows_the_parents_flag_and_the_ratio():
             kept += root.get_span_context().trace_flags.sampled
     assert 60 < kept < 140
     assert len(exporter.get_finished_spans()) == 1 + kept
+
+
+def test_never_sampled_never_says_so_of_a_sampled_traceparent():
+    """The worker skips parsing what never_sampled rules out: it must agree with the parser."""
+    rng = random.Random(3)
+    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    samples = [
+        None,
+        "",
+        "garbage",
+        b"00-x",
+        f"00-{trace_id}-{span_id}",
+        f"00-{trace_id}-{span_id}-01-extra",
+    ]
+    for flags in range(256):
+        for version in ("00", "01", "cc", "ff"):
+            samples.append(f"{version}-{trace_id}-{span_id}-{flags:02x}")
+            samples.append(f"{version}-{trace_id}-{span_id}-{flags:02X}")
+    samples += ["".join(rng.choice("0123456789abcdef-") for _ in range(55)) for _ in range(500)]
+    for traceparent in samples:
+        parsed = span_context_from_traceparent(traceparent)
+        if never_sampled(traceparent):
+            assert parsed is None or not parsed.trace_flags.sampled, traceparent
+    assert never_sampled(f"00-{trace_id}-{span_id}-00")
+    assert not never_sampled(f"00-{trace_id}-{span_id}-01")
