@@ -316,37 +316,12 @@ def fast_otlp_http_exporter(endpoint: str) -> Any:
             result = client.export(data)
             return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
 
-    transport = _plain_http_transport(endpoint)
-    if transport is not None:
+    from observability.otlp_http import exporter_kwargs
+
+    kwargs = exporter_kwargs(endpoint)
+    if kwargs:
         try:
-            return FastOTLPSpanExporter(endpoint=endpoint, _transport=transport)
+            return FastOTLPSpanExporter(endpoint=endpoint, **kwargs)
         except TypeError:  # an SDK without the transport parameter
             pass
     return FastOTLPSpanExporter(endpoint=endpoint)
-
-
-_CREDENTIAL_PROVIDERS = (
-    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
-    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER",
-)
-
-
-def _plain_http_transport(endpoint: str) -> Any:
-    """The SDK's urllib3 transport where it sends what its default (requests) would: plain HTTP
-    (no certificates to find), no proxy for the endpoint, no .netrc login for it, no credential
-    provider. requests costs ~0.75 ms more CPU an export, and a process exports every 5 s.
-    None elsewhere: the SDK's default then."""
-    import os
-    from urllib.parse import urlsplit
-
-    if urlsplit(endpoint).scheme != "http" or any(os.environ.get(n) for n in _CREDENTIAL_PROVIDERS):
-        return None
-    try:
-        from opentelemetry.exporter.http.transport import _KNOWN_TRANSPORTS
-        from requests.utils import get_environ_proxies, get_netrc_auth
-    except ImportError:
-        return None
-    if get_environ_proxies(endpoint) or get_netrc_auth(endpoint):
-        return None
-    factory = _KNOWN_TRANSPORTS.get("urllib3")
-    return factory(verify=True, cert=None) if factory is not None else None
