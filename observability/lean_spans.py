@@ -108,12 +108,30 @@ class LeanTracer(trace_api.Tracer):
         record_exception: bool = True,
         set_status_on_exception: bool = True,
     ) -> trace_api.Span:
+        return self._start(
+            name, context, kind, attributes, links, start_time, record_exception,
+            set_status_on_exception,
+        )[0]  # fmt: skip
+
+    def _start(
+        self,
+        name: str,
+        context: context_api.Context | None,
+        kind: SpanKind,
+        attributes: Mapping[str, Any] | None,
+        links: Sequence[Link] | None,
+        start_time: int | None,
+        record_exception: bool,
+        set_status_on_exception: bool,
+    ) -> tuple[trace_api.Span, bool]:
+        """The span, and whether it is the parent's own non-recording span (see below)."""
         if not self._lean_ok():
             return self.sdk.start_span(
                 name, context, kind, attributes, links, start_time, record_exception,
                 set_status_on_exception,
-            )  # fmt: skip
-        parent: SpanContext | None = trace_api.get_current_span(context).get_span_context()
+            ), False  # fmt: skip
+        parent_span = trace_api.get_current_span(context)
+        parent: SpanContext | None = parent_span.get_span_context()
         if parent is None or not parent.is_valid:
             parent = None
             trace_id = self.ids.generate_trace_id()
@@ -124,21 +142,33 @@ class LeanTracer(trace_api.Tracer):
         trace_state = parent.trace_state if parent is not None else None
         if self.decide is not None:
             sampled = recording = self.decide(parent, trace_id, attributes, links)
+            flags = _FLAGS[sampled, random]
+            if (
+                not sampled
+                and parent is not None
+                and parent.trace_flags == flags
+                and type(parent_span) is NonRecordingSpan
+            ):
+                # A child of a trace left out, left out as well: nothing will ever see an id of
+                # its own (kvledger's samplers decide its descendants by the same flag and
+                # trace id), so it is its parent's non-recording span.
+                return parent_span, True
         else:  # as the SDK asks any sampler
             result = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
             sampled, recording = result.decision.is_sampled(), result.decision.is_recording()
             attributes, trace_state = result.attributes, result.trace_state
+            flags = _FLAGS[sampled, random]
         span_context = SpanContext(
-            trace_id, self.ids.generate_span_id(), is_remote=False,
-            trace_flags=_FLAGS[sampled, random], trace_state=trace_state,
+            trace_id, self.ids.generate_span_id(), is_remote=False, trace_flags=flags,
+            trace_state=trace_state,
         )  # fmt: skip
         if not recording:
-            return NonRecordingSpan(span_context)
+            return NonRecordingSpan(span_context), False
         return LeanSpan(
             self, name, span_context, parent, kind, attributes, links,
             start_time if start_time is not None else time_ns(),
             record_exception, set_status_on_exception,
-        )  # fmt: skip
+        ), False  # fmt: skip
 
     def start_as_current_span(  # type: ignore[override]
         self,
@@ -154,15 +184,24 @@ class LeanTracer(trace_api.Tracer):
     ) -> _CurrentSpan:
         """As the SDK's (the span current inside, ended on exit, an exception recorded and the
         status set as `trace.use_span` does), in one object instead of two generators."""
-        span = self.start_span(
+        span, is_parent = self._start(
             name, context, kind, attributes, links, start_time, record_exception,
             set_status_on_exception,
         )  # fmt: skip
-        return _CurrentSpan(span, end_on_exit, record_exception, set_status_on_exception)
+        # The parent's own span is current already (when no other context was given)
+        current = is_parent and context is None
+        return _CurrentSpan(span, end_on_exit, record_exception, set_status_on_exception, current)
 
 
 class _CurrentSpan:
-    __slots__ = ("end_on_exit", "record_exception", "set_status_on_exception", "span", "token")
+    __slots__ = (
+        "current",
+        "end_on_exit",
+        "record_exception",
+        "set_status_on_exception",
+        "span",
+        "token",
+    )
 
     def __init__(
         self,
@@ -170,21 +209,25 @@ class _CurrentSpan:
         end_on_exit: bool,
         record_exception: bool,
         set_status_on_exception: bool,
+        current: bool = False,
     ) -> None:
         self.span = span
+        self.current = current  # current already: nothing to attach
         self.end_on_exit = end_on_exit
         self.record_exception = record_exception
         self.set_status_on_exception = set_status_on_exception
         self.token: object = None
 
     def __enter__(self) -> trace_api.Span:
-        self.token = context_api.attach(trace_api.set_span_in_context(self.span))
+        if not self.current:
+            self.token = context_api.attach(trace_api.set_span_in_context(self.span))
         return self.span
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         span = self.span
         try:
-            context_api.detach(self.token)  # type: ignore[arg-type]
+            if not self.current:
+                context_api.detach(self.token)  # type: ignore[arg-type]
             # As use_span: exceptions, not every BaseException (GeneratorExit is no error).
             if isinstance(exc, Exception) and span.is_recording():
                 if self.record_exception:

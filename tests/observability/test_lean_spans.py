@@ -17,6 +17,7 @@ from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
     TraceFlags,
+    get_current_span,
     get_tracer,
     set_span_in_context,
 )
@@ -25,6 +26,7 @@ from observability.lean_spans import LeanSpan, LeanTracer
 from observability.otlp_encoding import encode_spans
 from observability.tracing import (
     Attr,
+    inject_traceparent,
     kvledger_sampler,
     lean_tracer,
     never_sampled,
@@ -200,3 +202,22 @@ def test_never_sampled_never_says_so_of_a_sampled_traceparent():
             assert parsed is None or not parsed.trace_flags.sampled, traceparent
     assert never_sampled(f"00-{trace_id}-{span_id}-00")
     assert not never_sampled(f"00-{trace_id}-{span_id}-01")
+
+
+def test_a_trace_left_out_costs_one_span_object_and_still_carries_its_trace_id():
+    provider = TracerProvider(sampler=kvledger_sampler("parentbased_traceidratio", "0.5"))
+    tracer = lean_tracer(provider.get_tracer("t"))
+    seen = {True: 0, False: 0}
+    for _ in range(100):
+        with tracer.start_as_current_span("POST /v1/completions") as root:
+            with tracer.start_as_current_span("text_completion m") as child:
+                traceparent = inject_traceparent()
+            assert get_current_span() is root  # the root is current again
+        sampled = root.get_span_context().trace_flags.sampled
+        seen[sampled] += 1
+        assert child.get_span_context().trace_id == root.get_span_context().trace_id
+        assert traceparent == inject_traceparent(child)
+        assert int(traceparent[-2:], 16) & 1 == sampled  # the flags say whether it was kept
+        # a sampled child is a span of its own; a left-out one is its parent's span
+        assert (child is root) is not sampled
+    assert seen[True] and seen[False]
