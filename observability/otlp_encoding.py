@@ -123,6 +123,17 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
                 cached = pair_cache[cache_key] = _length_delimited(tag, _key_value(key, value))
             append(cached)
             continue
+        elif kind is float or kind is int:  # written out too: counts, times, latencies
+            encoded_key = key_cache.get(key)
+            if encoded_key is None:
+                encoded_key = key_cache[key] = _string(b"\x0a", key)
+            if kind is float:
+                pair = encoded_key + b"\x12\x09\x21" + _pack_double(value)
+            else:
+                number = _varint(value)  # negatives: two's complement, as int64
+                pair = encoded_key + b"\x12" + varints[len(number) + 1] + b"\x18" + number
+            append(tag + _varint(len(pair)) + pair)
+            continue
         append(_length_delimited(tag, _key_value(key, value)))
     return b"".join(parts)
 
