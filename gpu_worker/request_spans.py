@@ -18,7 +18,6 @@ decode spans are ended by `close_all` (idle, new epoch, shutdown), so none is lo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from itertools import chain
 from operator import attrgetter
@@ -41,32 +40,25 @@ _REQ_ID = attrgetter("req_id")
 
 
 class _StepRef:
-    """The span of one step, filled in once the step's span exists (after the requests' work in
-    it has been counted): a decode run points at the ref of its first and last steps."""
+    """One step (its id, its end, and its span once that exists: made after the requests'
+    work in the step is counted): a decode run points at its first and its latest step."""
 
-    __slots__ = ("context",)
+    __slots__ = ("context", "end_ns", "step_id")
 
-    def __init__(self) -> None:
+    def __init__(self, step_id: int, end_ns: int) -> None:
+        self.step_id = step_id
+        self.end_ns = end_ns
         self.context: SpanContext | None = None
 
 
 class _Decode:
-    __slots__ = (
-        "compute_ns",
-        "first_step",
-        "last_end_ns",
-        "last_step",
-        "last_step_ref",
-        "num_steps",
-        "num_tokens",
-        "span",
-    )
+    __slots__ = ("compute_ns", "first_step", "last", "num_steps", "num_tokens", "span")
 
-    def __init__(self, span: Span, step_id: int, step_ref: _StepRef) -> None:
+    def __init__(self, span: Span, step: _StepRef) -> None:
         self.span = span
-        self.first_step = self.last_step = step_id
-        self.last_step_ref = step_ref
-        self.num_steps = self.num_tokens = self.compute_ns = self.last_end_ns = 0
+        self.first_step = step.step_id
+        self.last = step  # the latest step it took part in
+        self.num_steps = self.num_tokens = self.compute_ns = 0
 
 
 class _Request:
@@ -133,7 +125,7 @@ class RequestSpans:
                         new.num_preemptions,
                     )  # fmt: skip
         scheduled = step.num_scheduled_tokens
-        step_ref = _StepRef()
+        step_ref = _StepRef(step.step_id, end_ns)
         prefills: list[Span] = []
         started: list[_Decode] = []  # decode runs that began in this step
         decodes: list[_Request] = []  # with --collect-detailed-traces: every decoding request
@@ -142,7 +134,7 @@ class RequestSpans:
         if requests:
             # Per step and traced request only counters move: this loop runs for every request
             # of every step, so the spans' ends are computed once, when a run ends.
-            get, step_id, detailed = requests.get, step.step_id, self.detailed
+            get, detailed = requests.get, self.detailed
             step_ns = end_ns - start_ns
             work: Iterable[NewRequestData | CachedRequestData]
             work = chain(step.new_reqs, step.cached_reqs)
@@ -170,7 +162,6 @@ class RequestSpans:
                             start_time=start_ns,
                             attributes={Attr.REQUEST_ID: req_id},
                         ),
-                        step_id,
                         step_ref,
                     )
                     started.append(decode)
@@ -180,8 +171,7 @@ class RequestSpans:
                 decode.num_steps += 1
                 decode.num_tokens += num_tokens
                 decode.compute_ns += step_ns
-                decode.last_step, decode.last_end_ns = step_id, end_ns
-                decode.last_step_ref = step_ref
+                decode.last = step_ref
                 if detailed:
                     decodes.append(request)
         step_span = self._step_span(step, start_ns, links, num_traced)
@@ -285,16 +275,16 @@ class RequestSpans:
                 Attr.NUM_STEPS: decode.num_steps,
                 Attr.NUM_COMPUTED_TOKENS: decode.num_tokens,
                 Attr.FIRST_STEP_ID: decode.first_step,
-                Attr.LAST_STEP_ID: decode.last_step,
+                Attr.LAST_STEP_ID: decode.last.step_id,
                 Attr.COMPUTE_S: decode.compute_ns / 1e9,
                 Attr.SEGMENT_END: why,
                 Attr.NUM_PREEMPTIONS: request.num_preemptions,
             }
         )
-        last = decode.last_step_ref.context
-        if last is not None and decode.last_step != decode.first_step:
+        last = decode.last.context
+        if last is not None and decode.last.step_id != decode.first_step:
             span.add_link(last)
-        span.end(end_time=decode.last_end_ns or time.time_ns())
+        span.end(end_time=decode.last.end_ns)
 
     def idle(self) -> None:
         """No step came for a while: end the decode runs (a request that comes back starts a
