@@ -18,13 +18,13 @@ decode spans are ended by `close_all` (idle, new epoch, shutdown), so none is lo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from itertools import chain
+from itertools import compress
 from operator import attrgetter
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
+from opentelemetry.util.types import AttributeValue
 
 from observability import (
     Attr,
@@ -32,6 +32,7 @@ from observability import (
     SpanName,
     lean_tracer,
     never_sampled,
+    record_root_span,
     span_context_from_traceparent,
 )
 from services.wire.messages import CachedRequestData, NewRequestData, StepMessage
@@ -134,15 +135,13 @@ class RequestSpans:
         if requests:
             # Per step and traced request only counters move: this loop runs for every request
             # of every step, so the spans' ends are computed once, when a run ends.
-            get, detailed = requests.get, self.detailed
+            detailed = self.detailed
             step_ns = end_ns - start_ns
-            work: Iterable[NewRequestData | CachedRequestData]
-            work = chain(step.new_reqs, step.cached_reqs)
-            for data in work:
-                request = get(data.req_id)
-                if request is None:
-                    continue
+            work: list[NewRequestData | CachedRequestData] = [*step.new_reqs, *step.cached_reqs]
+            # The traced ones, picked in C (a step of a ratio's batch holds few of them)
+            for data in compress(work, map(requests.__contains__, map(_REQ_ID, work))):
                 req_id = data.req_id
+                request = requests[req_id]
                 num_tokens = scheduled.get(req_id, 0)
                 num_traced += 1
                 position = data.num_computed_tokens
@@ -174,10 +173,7 @@ class RequestSpans:
                 decode.last = step_ref
                 if detailed:
                     decodes.append(request)
-        step_span = self._step_span(step, start_ns, links, num_traced)
-        if error is not None:
-            step_span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
-        step_context = step_span.get_span_context() if step_span.is_recording() else None
+        step_context = self._step_span(step, start_ns, end_ns, links, num_traced, error)
         step_ref.context = step_context
         for span in prefills:
             if step_context is not None:
@@ -200,7 +196,6 @@ class RequestSpans:
                 },
                 timestamp=start_ns,
             )
-        step_span.end(end_time=end_ns)
 
     def _prefill_span(
         self, request: _Request, step: StepMessage, position: int, num_tokens: int, start_ns: int
@@ -224,25 +219,24 @@ class RequestSpans:
         )
 
     def _step_span(
-        self, step: StepMessage, start_ns: int, links: list[Link], num_traced: int
-    ) -> Span:
-        # What the sampler reads first (kvledger_sampler keeps a step that computed sampled
-        # requests); the rest only for a step whose span is recorded.
-        span = self.tracer.start_span(
-            SpanName.STEP,
-            kind=SpanKind.CONSUMER,
-            start_time=start_ns,
-            links=links,
-            attributes={Attr.NUM_TRACED_REQUESTS: num_traced},
-        )
-        if not span.is_recording():
-            return span
-        scheduled = step.num_scheduled_tokens
-        num_tokens = sum(scheduled.values())
-        # a running request computing one token decodes (counted in C: this runs every step)
-        decode_tokens = [*map(scheduled.get, map(_REQ_ID, step.cached_reqs))].count(1)
-        span.set_attributes(
-            {
+        self,
+        step: StepMessage,
+        start_ns: int,
+        end_ns: int,
+        links: list[Link],
+        num_traced: int,
+        error: str | None,
+    ) -> SpanContext | None:
+        """The step's span, made and ended at once; its context when kept. The sampler reads
+        how many sampled requests it computed (kvledger_sampler keeps such a step); the rest is
+        built only for a step kept."""
+
+        def attributes() -> dict[str, AttributeValue]:
+            scheduled = step.num_scheduled_tokens
+            num_tokens = sum(scheduled.values())
+            # a running request computing one token decodes (counted in C: this runs each step)
+            decode_tokens = [*map(scheduled.get, map(_REQ_ID, step.cached_reqs))].count(1)
+            attributes: dict[str, AttributeValue] = {
                 Attr.STEP_ID: step.step_id,
                 Attr.WORKER_ID: self.worker_id,
                 Attr.BATCH_SIZE: len(scheduled),
@@ -253,10 +247,17 @@ class RequestSpans:
                 Attr.MESSAGING_OPERATION_TYPE: "process",
                 Attr.MESSAGING_DESTINATION_NAME: self.steps_stream,
                 Attr.MESSAGING_BATCH_MESSAGE_COUNT: len(scheduled),
-                Attr.NUM_TRACED_REQUESTS: num_traced,  # set again: last, where it always was
+                Attr.NUM_TRACED_REQUESTS: num_traced,
             }
-        )
-        return span
+            if error is not None:
+                attributes[Attr.ERROR_TYPE] = error.split(":")[0]
+            return attributes
+
+        return record_root_span(
+            self.tracer, SpanName.STEP, kind=SpanKind.CONSUMER, start_ns=start_ns, end_ns=end_ns,
+            links=links, sampling_attributes={Attr.NUM_TRACED_REQUESTS: num_traced},
+            attributes=attributes,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ ends
 

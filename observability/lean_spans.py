@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from typing import Any
 
@@ -169,6 +169,36 @@ class LeanTracer(trace_api.Tracer):
             start_time if start_time is not None else time_ns(),
             record_exception, set_status_on_exception,
         ), False  # fmt: skip
+
+    def record_root(
+        self,
+        name: str,
+        kind: SpanKind,
+        start_ns: int,
+        end_ns: int,
+        links: Sequence[Link],
+        sampling_attributes: Mapping[str, Any],
+        attributes: Callable[[], Mapping[str, Any]],
+    ) -> tuple[bool, SpanContext | None]:
+        """A root span made and ended at once, straight to the processors (a worker's step):
+        (whether it was made here, its context when kept). The sampler reads
+        `sampling_attributes`; `attributes()` (which include them) is built only for a span
+        kept. Not made here (False) where kvledger's sampler is not the provider's, or a
+        processor watches spans start: then the caller makes it as any span."""
+        if self.decide is None or not self._lean_ok():
+            return False, None
+        trace_id = self.ids.generate_trace_id()
+        if not self.decide(None, trace_id, sampling_attributes, links):
+            return True, None
+        context = SpanContext(
+            trace_id, self.ids.generate_span_id(), is_remote=False,
+            trace_flags=_FLAGS[True, self.ids.is_trace_id_random()],
+        )  # fmt: skip
+        span = LeanSpan(
+            self, name, context, None, kind, attributes(), links, start_ns, False, False
+        )
+        span.end(end_ns)
+        return True, context
 
     def start_as_current_span(  # type: ignore[override]
         self,

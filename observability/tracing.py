@@ -11,7 +11,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
@@ -614,6 +614,36 @@ def record_span(
     )
     span.end(end_time=max(start_ns, end_ns if end_ns is not None else time.time_ns()))
     return span
+
+
+def record_root_span(
+    tracer: Tracer,
+    name: str,
+    *,
+    kind: SpanKind,
+    start_ns: int,
+    end_ns: int,
+    links: Sequence[Link],
+    sampling_attributes: Attributes,
+    attributes: Callable[[], Attributes],
+) -> SpanContext | None:
+    """A root span that happened (a worker's step), made and ended at once; its context when
+    the sampler kept it, else None. The sampler reads `sampling_attributes`; `attributes()`
+    (which include them) is built only for a span kept. A lean tracer hands it to the
+    processors in one go (`LeanTracer.record_root`)."""
+    record = getattr(tracer, "record_root", None)
+    if record is not None:
+        made, context = record(name, kind, start_ns, end_ns, links, sampling_attributes, attributes)
+        if made:
+            return context
+    span = tracer.start_span(
+        name, kind=kind, start_time=start_ns, links=links, attributes=sampling_attributes
+    )
+    if not span.is_recording():
+        return None
+    span.set_attributes(attributes())
+    span.end(end_time=end_ns)
+    return span.get_span_context()
 
 
 def format_block_hashes(block_hashes: Iterable[int | bytes]) -> list[str]:

@@ -16,6 +16,7 @@ from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
     SpanContext,
+    SpanKind,
     TraceFlags,
     get_current_span,
     get_tracer,
@@ -30,6 +31,7 @@ from observability.tracing import (
     kvledger_sampler,
     lean_tracer,
     never_sampled,
+    record_root_span,
     span_context_from_traceparent,
 )
 from tests.observability import test_otlp_encoding as shapes
@@ -221,3 +223,41 @@ def test_a_trace_left_out_costs_one_span_object_and_still_carries_its_trace_id()
         # a sampled child is a span of its own; a left-out one is its parent's span
         assert (child is root) is not sampled
     assert seen[True] and seen[False]
+
+
+def test_a_root_recorded_at_once_is_the_span_the_sdk_makes_and_builds_nothing_dropped(
+    monkeypatch,
+):
+    exported = {}
+    for lean in (False, True):
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider(sampler=kvledger_sampler(), id_generator=CountingIds())
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracer = provider.get_tracer("t")
+        tracer = lean_tracer(tracer) if lean else tracer
+        linked = SpanContext(5, 6, is_remote=True, trace_flags=TraceFlags(1))
+        context = record_root_span(
+            tracer, "kvledger.step", kind=SpanKind.CONSUMER, start_ns=10, end_ns=20,
+            links=[Link(linked, {Attr.REQUEST_ID: "r"})],
+            sampling_attributes={Attr.NUM_TRACED_REQUESTS: 1},
+            attributes=lambda: {"a": 1, Attr.NUM_TRACED_REQUESTS: 1, "b": ["x"]},
+        )  # fmt: skip
+        (span,) = exporter.get_finished_spans()
+        assert context == span.get_span_context()
+        exported[lean] = sdk_encode([span])
+    assert exported[True] == exported[False]
+
+    never = InMemorySpanExporter()
+    provider = TracerProvider(sampler=kvledger_sampler("parentbased_traceidratio", "0"))
+    provider.add_span_processor(SimpleSpanProcessor(never))
+
+    def not_built() -> dict:
+        raise AssertionError("the attributes of a dropped span were built")
+
+    for tracer in (provider.get_tracer("t"), lean_tracer(provider.get_tracer("t"))):
+        kept = record_root_span(
+            tracer, "kvledger.step", kind=SpanKind.CONSUMER, start_ns=1, end_ns=2, links=[],
+            sampling_attributes={Attr.NUM_TRACED_REQUESTS: 0}, attributes=not_built,
+        )  # fmt: skip
+        assert kept is None
+    assert never.get_finished_spans() == ()
