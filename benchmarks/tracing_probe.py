@@ -8,7 +8,8 @@ of the calls that trace does not (the same calls, timed from inside). Each servi
 `sitecustomize` that wraps the tracing entry points (span making, the exporter's encoding and
 HTTP, the gateway's GenAI attributes and traceparent, the worker's step spans; the ledger's
 telemetry hooks, which also keep metrics: compare them with `--sampling off`) with
-`time.thread_time`, counting a nested call once, at the outermost wrapped call. `--tree` runs
+`time.thread_time`, counting a nested call once, at the outermost wrapped call; and the time
+the garbage collector takes, by generation (not tracing's alone either). `--tree` runs
 another checkout (e.g. main) the same way, for a before and after. It measures what the
 wrapped calls cost where they run (cold caches beside the model included), not what tracing
 costs elsewhere (allocation, the export thread's wake-ups).
@@ -111,6 +112,17 @@ if _OUT and _ROLE:
                 json.dump(_totals, out)
             os.replace(path + ".tmp", path)
 
+    import gc
+
+    def _collecting(phase, info, _started=[0.0]):
+        if phase == "start":
+            _started[0] = time.perf_counter()
+        else:
+            entry = _totals.setdefault(f"gc gen{info['generation']}*", [0.0, 0])
+            entry[0] += time.perf_counter() - _started[0]
+            entry[1] += 1
+
+    gc.callbacks.append(_collecting)
     threading.Thread(target=_patch, daemon=True).start()
     threading.Thread(target=_dump, daemon=True).start()
 """
