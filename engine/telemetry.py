@@ -45,6 +45,7 @@ from observability import (
     format_block_hashes,
     get_logger,
     in_trace,
+    lean_tracer,
     record_span,
     span_context_from_traceparent,
 )
@@ -117,7 +118,7 @@ class LedgerTelemetry:
         scheduler: Scheduler[Tracked] | None = None,
         costs: StepCostEstimator | None = None,
     ) -> None:
-        self.tracer = tracer
+        self.tracer = lean_tracer(tracer)
         self.metrics = metrics
         self.costs = costs  # the queue waits feed the step costs published for routers
         self.scheduler = scheduler
@@ -125,6 +126,9 @@ class LedgerTelemetry:
         # req_id -> the span its trace continues from (sampled or not), kept after the request
         # ends: later preemptions and evictions link back to it.
         self.contexts: OrderedDict[str, SpanContext | None] = OrderedDict()
+        self.parents: OrderedDict[str, Context] = (
+            OrderedDict()
+        )  # of sampled requests, until they end
         self.waits: dict[str, _Wait] = {}  # requests in the waiting queue
         self.evict_runs: dict[str, _EvictRun] = {}
         self.evicted: OrderedDict[BlockHash, _Evicted] = OrderedDict()
@@ -183,6 +187,7 @@ class LedgerTelemetry:
             if parent is not None:
                 last_step = self.scheduler.step_id if self.scheduler is not None else 0
                 self._queue_span(request_id, wait, parent, now, last_step, outcome or "ended")
+        self.parents.pop(request_id, None)
 
     def close(self) -> None:
         """The ledger stops: end the spans still open."""
@@ -495,11 +500,19 @@ class LedgerTelemetry:
     # ------------------------------------------------------------------ contexts
 
     def _parent(self, request_id: str) -> Context | None:
-        """The context a span of this request starts in, None when its trace is not sampled."""
+        """The context a span of this request starts in, None when its trace is not sampled
+        (made once per request: its queue, admission and evictions start there)."""
+        parent = self.parents.get(request_id)
+        if parent is not None:
+            return parent
         span_context = self.contexts.get(request_id)
         if span_context is None or not span_context.trace_flags.sampled:
             return None
-        return trace.set_span_in_context(trace.NonRecordingSpan(span_context), Context())
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(span_context), Context())
+        self.parents[request_id] = parent
+        if len(self.parents) > MAX_REMEMBERED_TRACES:
+            self.parents.popitem(last=False)
+        return parent
 
     def in_request(self, request_id: str) -> contextlib.AbstractContextManager[None]:
         """Log lines written inside carry the request's trace id."""
