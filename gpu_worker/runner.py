@@ -126,6 +126,7 @@ class ModelRunner:
         tokenizer_model: str = TINY_MODEL,  # whose tokenizer structured outputs mask over
     ) -> None:
         self.model = model
+        model.fuse_projections()  # one matmul for q/k/v and one for gate/up (names unchanged)
         self.config = model.config
         self.name = name
         self.profile = profile
