@@ -177,12 +177,12 @@ class FusedLinear:
     def __init__(self, *linears: ColumnParallelLinear) -> None:
         self.sizes = [layer.weight.shape[0] for layer in linears]
         self.weight = torch.cat([layer.weight.detach() for layer in linears])
-        biases = [layer.bias for layer in linears]
-        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        biases = [layer.bias for layer in linears if layer.bias is not None]
+        self.bias = torch.cat([b.detach() for b in biases]) if biases else None
         start = 0
         for layer, size in zip(linears, self.sizes, strict=True):
             layer.weight.data = self.weight[start : start + size]
-            if self.bias is not None:
+            if layer.bias is not None and self.bias is not None:
                 layer.bias.data = self.bias[start : start + size]
             start += size
 
@@ -330,6 +330,7 @@ class LlamaForCausalLM(nn.Module):
         """Stack each layer's q/k/v and gate/up weights for one matmul each (`FusedLinear`);
         after the weights are loaded."""
         for layer in self.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
 
