@@ -33,7 +33,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway import genai
 from gateway.answer import respond, stream, total_usage
 from gateway.bodies import Meta
-from gateway.fanout import FanOut
+from gateway.fanout import FanOut, in_flight_bound
 from gateway.fields import ApiError
 from gateway.inflight import Generation
 from gateway.prompts import count_sequences
@@ -88,7 +88,8 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
     places = count_sequences(kind, body, gw.config.max_queue)
     async with gw.admit(places), gw.setting_up() as set_up:
         jobs = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
-        limits = gw.limits(await gw.wait_for_ledger())
+        status = await gw.wait_for_ledger()
+        limits = gw.limits(status)
         # One ledger request per choice (n samples of every prompt), all under one response id.
         children = fan_out([resolve(job, limits) for job in jobs])
         assert len(children) == places, "count_sequences and fan_out disagree"
@@ -118,7 +119,7 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
                         gen.route = gw.routing.pin(job, gen.req_id, first.route.replica)
                     gens.append(gen)
                 async with contextlib.AsyncExitStack() as stack:
-                    fan = FanOut(gens, stack)
+                    fan = FanOut(gens, stack, bound=in_flight_bound(status))
                     try:
                         await fan.start()
                         set_up()  # its first sequences are on the stream: the next one's turn

@@ -105,6 +105,7 @@ class Generation:
         self.entered = asyncio.Event()
         self.refused: BaseException | None = None
         self.on_started: Callable[[], None] | None = None  # once: its first output, or its end
+        self.on_ended: Callable[[], None] | None = None  # once: its last output, or its exit
 
     async def __aenter__(self) -> Generation:
         # 503 here when every replica is out; pending there until __aexit__ releases it.
@@ -151,6 +152,7 @@ class Generation:
         self.gw.outputs.unregister(self.req_id)
         self.gw.routing.release(self.req_id)
         self._started()
+        self._ended()
         if not self._enqueued:
             return
         exc = exc or self.ended_by
@@ -185,6 +187,11 @@ class Generation:
         if callback is not None:
             callback()
 
+    def _ended(self) -> None:
+        callback, self.on_ended = self.on_ended, None
+        if callback is not None:
+            callback()
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text as it becomes safe to show; the last delta carries the finish reason."""
         await self.entered.wait()
@@ -208,10 +215,12 @@ class Generation:
             text = self.stops.push(self._text(new_ids), final=final is not None, check=check)
             if self.stops.matched is not None:
                 self.finish_reason = "stop"
+                self._ended()
                 yield Delta(text, new_ids, "stop", logprobs)
                 return
             if final is not None:
                 self.finish_reason = final.finish_reason or "stop"
+                self._ended()
                 yield Delta(text, new_ids, self.finish_reason, logprobs)
                 return
             if text or new_ids:

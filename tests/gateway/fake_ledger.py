@@ -22,6 +22,7 @@ from services.wire.messages import (
     LedgerStatus,
     OutputBatch,
     RequestOutput,
+    RoutingCosts,
     TokenLogprobs,
 )
 
@@ -145,6 +146,8 @@ class FakeLedger:
     vocab_size: int = 258
     num_workers: int = 1
     scheduling_policy: str = "fcfs"
+    max_num_seqs: int = 0  # in its status: 0 says nothing of its batch
+    costs: RoutingCosts | None = None
     metrics: dict[str, float] | None = None
     replica: str = "default"
     requests: list[GenerateRequest] = field(default_factory=list)
@@ -173,7 +176,8 @@ class FakeLedger:
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=16,
             num_gpu_blocks=100, capacity_line="KV cache size: 1600 tokens", hash_algo="sha256",
             num_workers=self.num_workers, num_running=len(self._answers), metrics=self.metrics,
-            scheduling_policy=self.scheduling_policy,
+            scheduling_policy=self.scheduling_policy, max_num_seqs=self.max_num_seqs,
+            costs=self.costs,
         )  # fmt: skip
 
     async def _write_status(self) -> None:
