@@ -134,7 +134,10 @@ class Intake:
             if conn.backlog is None:  # the connection was lost meanwhile
                 continue
             self.handed += 1
-            conn.hand_over_backlog()
+            try:
+                conn.hand_over_backlog()
+            except Exception as exc:  # as a transport whose protocol fails: that connection ends
+                conn.fail(exc)
         if self.waiting:
             self._count_turns()
 
@@ -147,12 +150,12 @@ class _Counted(asyncio.Protocol):
         self._inner = inner
         self._release: Callable[[], None] | None = release
         self._intake = intake
-        self._transport: asyncio.BaseTransport | None = None
+        self._transport: asyncio.WriteTransport | None = None
         self.backlog: bytearray | None = None  # bytes received, waiting for the intake
         self._eof_waiting = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport
+        self._transport = cast(asyncio.WriteTransport, transport)  # uvloop's is no subclass
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -169,6 +172,13 @@ class _Counted(asyncio.Protocol):
             self._eof_waiting = False
             if not self._inner.eof_received() and self._transport is not None:
                 self._transport.close()
+
+    def fail(self, exc: Exception) -> None:
+        asyncio.get_running_loop().call_exception_handler(
+            {"message": "the HTTP server failed on a connection's bytes", "exception": exc}
+        )
+        if self._transport is not None:
+            self._transport.abort()
 
     def eof_received(self) -> bool | None:
         if self.backlog is not None:  # after the bytes that wait: keep the socket till then

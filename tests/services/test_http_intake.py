@@ -13,7 +13,7 @@ from collections import Counter
 
 from aiohttp import web
 
-from services.http_server import INTAKE_PER_TURN, CappedSite
+from services.http_server import INTAKE_PER_TURN, CappedSite, ConnectionCap
 
 BURST = 100  # below the listening backlog: every connection is made before any is read
 
@@ -160,3 +160,49 @@ async def test_bytes_that_wait_are_delivered_whole_in_order_and_a_lost_connectio
         for sock in socks:
             sock.close()
         await runner.cleanup()
+
+
+class _Echo(asyncio.Protocol):
+    """A server protocol of its own under the intake: echoes, and fails on b"boom"."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if data == b"boom":
+            raise RuntimeError("boom")
+        self.transport.write(data)  # type: ignore[attr-defined]
+
+
+async def test_a_connection_whose_waiting_bytes_fail_the_server_ends_and_the_others_go_on():
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: errors.append(context))
+    cap = ConnectionCap(_Echo, max_connections=1000)
+    server = await loop.create_server(cap, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * INTAKE_PER_TURN)]
+    try:
+        await _until(lambda: cap.accepted == len(socks))
+        for i, sock in enumerate(socks):  # the failing one waits for a later turn
+            sock.sendall(b"boom" if i == 2 * INTAKE_PER_TURN else b"x%d" % i)
+        for sock in socks:
+            sock.setblocking(False)
+
+        async def read(sock: socket.socket) -> bytes:
+            try:
+                return await asyncio.wait_for(loop.sock_recv(sock, 100), 5.0)
+            except ConnectionResetError:
+                return b""
+
+        answers = await asyncio.gather(*(read(sock) for sock in socks))
+    finally:
+        loop.set_exception_handler(previous)
+        for sock in socks:
+            sock.close()
+        server.close()
+    assert answers[2 * INTAKE_PER_TURN] == b""  # its connection ended
+    expected = [b"x%d" % i for i in range(len(socks)) if i != 2 * INTAKE_PER_TURN]
+    assert [a for i, a in enumerate(answers) if i != 2 * INTAKE_PER_TURN] == expected
+    assert [str(e.get("exception")) for e in errors] == ["boom"]
