@@ -152,6 +152,7 @@ class FakeLedger:
     replica: str = "default"
     requests: list[GenerateRequest] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
+    peak_answering: int = 0  # the most requests it was answering at once (neither done nor aborted)
 
     async def __aenter__(self) -> FakeLedger:
         self.streams = StreamNames(self.prefix, self.replica)
@@ -209,6 +210,7 @@ class FakeLedger:
             self.requests.append(msg)
             if not self.script.silent:
                 self._answers[msg.req_id] = asyncio.create_task(self._answer(msg))
+                self.peak_answering = max(self.peak_answering, len(self._answers))
 
     async def _answer(self, req: GenerateRequest) -> None:
         stream = self.streams.outputs(req.gateway_id)

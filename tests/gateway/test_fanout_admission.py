@@ -151,6 +151,24 @@ async def test_a_fan_out_holds_at_most_half_the_ledgers_batch_in_flight(
     await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_fan_out_whose_sequences_stop_on_a_stop_string_stays_within_its_bound(
+    start_gateway, start_ledger
+):
+    """A sequence the gateway ends (its stop string) is aborted on the ledger at once, not when
+    the whole response ends, so the next one going in does not take the fan-out past its bound
+    on the ledger (before, each stopped one ran on to max_tokens there: all 20 at once)."""
+    ledger = await start_ledger(Script(delay_s=0.02), max_num_seqs=8)  # a bound of 4
+    client = await start_gateway(max_queue=64)
+    body = {"prompt": "x", "n": 20, "max_tokens": 60, "stop": "from"}
+    resp = await client.post("/v1/completions", json=body)
+    answer = await resp.json()
+    assert resp.status == 200, answer
+    assert {c["text"] for c in answer["choices"]} == {"Hello "}
+    assert {c["finish_reason"] for c in answer["choices"]} == {"stop"}
+    assert ledger.peak_answering <= 4, ledger.peak_answering
+    assert len(ledger.aborts) == 20 and {a.reason for a in ledger.aborts} == {"stop_string"}
+
+
 def _status(max_num_seqs: int, costs: RoutingCosts | None = None) -> LedgerStatus:
     return LedgerStatus(
         epoch="e", started_at=0.0, updated_at=0.0, model_name="m", max_model_len=64,
