@@ -9,7 +9,8 @@ SIGSTOP to the leader, waits --pause-s (the standby takes over), sends SIGCONT (
 ledger finds its lease gone and exits), stops sending a second later, and waits up to
 --answer-s for every request's final output; a new standby is started for the next cycle.
 Before issue 22's fix the resumed ledger could take one request off the stream before it
-exited, and that request waited for the next leader change.
+exited, and that request waited for the next leader change. Every answer is also compared with
+the model's own greedy tokens for its prompt (`inexact`): a takeover must not change an answer.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gpu_worker.checkpoint import load_model  # noqa: E402
 from kvledger.report import format_table, now_stamp  # noqa: E402
 from services.transport.redis_server import RedisServer  # noqa: E402
 from tests.engine.test_leadership import PROMPTS, Replica  # noqa: E402
+from tests.harness.stack import dense_greedy  # noqa: E402
+
+MAX_TOKENS = 4
 
 
 def main() -> int:
@@ -40,6 +45,9 @@ def main() -> int:
     parser.add_argument("--answer-s", type=float, default=120.0)
     args = parser.parse_args()
 
+    # The worker serves the tiny model with seed 0 (the environment's KVLEDGER_SEED is not passed).
+    model = load_model("tiny", seed=0)
+    expected = {name: dense_greedy(model, prompt, MAX_TOKENS) for name, prompt in PROMPTS.items()}
     rows = []
     with RedisServer() as server:
         replica = Replica(server.url, Path(tempfile.mkdtemp(prefix="kvledger-pause-")))
@@ -59,7 +67,7 @@ def main() -> int:
                     i = 0
                     while not stop.is_set():
                         req_id = f"c{cycle}-{i}"
-                        replica.submit(req_id, PROMPTS[f"r{i % 6}"], 4)
+                        replica.submit(req_id, PROMPTS[f"r{i % 6}"], MAX_TOKENS)
                         sent.append(req_id)
                         i += 1
                         time.sleep(1 / args.rate)
@@ -80,8 +88,15 @@ def main() -> int:
                     replica.read_outputs()
                 unanswered = len(set(sent) - set(replica.finished))
                 errors = sum(1 for r in sent if replica.finished.get(r))
+                inexact = sum(
+                    1
+                    for i, r in enumerate(sent)
+                    if r in replica.finished
+                    and not replica.finished[r]
+                    and replica.tokens[r] != expected[f"r{i % 6}"]
+                )
                 claims = len(standby.events("requests_claimed"))
-                rows.append([cycle, len(sent), unanswered, errors, claims])
+                rows.append([cycle, len(sent), unanswered, errors, inexact, claims])
                 print(f"cycle {cycle}: {rows[-1]}", flush=True)
                 leader, standby = standby, replica.ledger(f"ledger-{cycle + 2}")
                 standby.wait_for("standing_by", 60)
@@ -91,9 +106,12 @@ def main() -> int:
         f"leader paused {args.pause_s:g}s and resumed with a standby, {args.cycles} cycles at "
         f"~{args.rate:g} requests/s ({now_stamp()})"
     )
-    headers = ["cycle", "requests", "unanswered", "errors", "claims by the new leader"]
+    headers = ["cycle", "requests", "unanswered", "errors", "inexact", "claims by the new leader"]
     print(format_table(headers, rows, title))
-    print(f"unanswered in all: {sum(r[2] for r in rows)}")
+    print(
+        f"unanswered in all: {sum(r[2] for r in rows)}; errors: {sum(r[3] for r in rows)}; "
+        f"answers that differ from the model's greedy tokens: {sum(r[4] for r in rows)}"
+    )
     return 0
 
 

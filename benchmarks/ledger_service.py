@@ -12,9 +12,12 @@ hiredis. Targets (issue 12): <= 1 / 2 / 5 ms per step.
 `--zmq` compares the default set-up with KV events also published over ZMQ as vLLM publishes them
 (`--kv-events-config` with a replay socket; one subscriber in this process reads every batch),
 interleaved, at the sizes given (issue 26's target: <= +5% step time at 1,000 running).
+`--tier` compares it with the CPU tier on (`--kv-offloading-size`, room for every prompt block;
+the null worker reports every copy done), interleaved (issue 25's target: <= +10% at 1,000).
 
     python benchmarks/ledger_service.py [--repeats 3] [--json benchmarks/results/ledger_service.json]
     python benchmarks/ledger_service.py --zmq --sizes 1000 [--staggered]
+    python benchmarks/ledger_service.py --tier --sizes 1000
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ SETUPS = {  # name -> (KVLEDGER_EVENT_LOOP, hiredis importable, KV events over Z
     "asyncio+python-parser": ("asyncio", False, False),
     "uvloop+python-parser": ("uvloop", False, False),
     "uvloop+hiredis+zmq": ("uvloop", True, True),
+    "uvloop+hiredis+tier": ("uvloop", True, False),
 }
 ZMQ_SETUPS = ["uvloop+hiredis", "uvloop+hiredis+zmq"]  # --zmq: off (the baseline) and on
+TIER_SETUPS = ["uvloop+hiredis", "uvloop+hiredis+tier"]  # --tier: off (the baseline) and on
 BASELINE = "asyncio+python-parser"
 TARGET_MS = {64: 1.0, 256: 2.0, 1000: 5.0}
 PROMPT_LEN, MAX_MODEL_LEN, BLOCK_SIZE, VOCAB = 32, 1024, 16, 32_000
@@ -107,9 +112,13 @@ async def null_worker(
             arrivals.append(time.perf_counter())
             if len(arrivals) == 1:
                 marks["cpu0"] = cpu_seconds(marks["pid"])
+        transfers = step.kv_transfers
+        done = None
+        if transfers is not None:  # every copy of the CPU tier, done at once
+            done = [job.job_id for job in (*transfers.loads, *transfers.stores)]
         result = StepResult(step_id=step.step_id, epoch=step.epoch, worker_id=hello.worker_id,
                             sampled_token_ids=null_step(step, known, computed),
-                            leader_token=step.leader_token)  # fmt: skip
+                            leader_token=step.leader_token, transfers_done=done)  # fmt: skip
         async with r.pipeline(transaction=False) as pipe:
             pipe.xadd(streams.results, {redis_streams.FIELD: encode(result)}, maxlen=10_000,
                       approximate=True)  # fmt: skip
@@ -212,6 +221,9 @@ async def one_run(
             "enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
             "replay_endpoint": f"tcp://*:{replay}"})]  # fmt: skip
         counter = ZmqCounter(pub)
+    if setup.removesuffix("@baseline").endswith("+tier"):
+        # bytes_per_block 1: a chunk is one 4 KiB page; room for every prompt block twice over.
+        args += ["--kv-offloading-size", str(4 * size * PROMPT_LEN // BLOCK_SIZE * 4096 / 2**30)]
     ledger = subprocess.Popen([sys.executable, "-c", LEDGER_MAIN, "1" if hiredis else "0", *args],
                               cwd=tree, env=env)  # fmt: skip
     marks["pid"] = ledger.pid
@@ -260,6 +272,8 @@ def main(argv: list[str]) -> int:
                         f"{' and '.join(ZMQ_SETUPS)})")  # fmt: skip
     parser.add_argument("--zmq", action="store_true",
                         help="KV events over ZMQ off vs on (baseline: off)")  # fmt: skip
+    parser.add_argument("--tier", action="store_true",
+                        help="the CPU tier off vs on (baseline: off)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
@@ -272,8 +286,11 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.setups is None:
-        args.setups = ZMQ_SETUPS if args.zmq else [k for k, v in SETUPS.items() if not v[2]]
-    baseline = ZMQ_SETUPS[0] if args.zmq else BASELINE
+        args.setups = (
+            ZMQ_SETUPS if args.zmq else TIER_SETUPS if args.tier
+            else [k for k, v in SETUPS.items() if not v[2] and not k.endswith("+tier")]
+        )  # fmt: skip
+    baseline = ZMQ_SETUPS[0] if args.zmq or args.tier else BASELINE
     if args.baseline_tree:
         args.setups = [name for setup in args.setups for name in (setup, f"{setup}@baseline")]
     runs: list[dict] = []

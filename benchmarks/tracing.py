@@ -286,14 +286,14 @@ async def drive(url: str, prompts: list[list[int]], args: argparse.Namespace) ->
 
 def isolated_span_cost(iterations: int = 300) -> float:
     """CPU microseconds to make, end and encode the spans of one request (the shapes the
-    services make: the gateway's server and GenAI spans, the ledger's queue and admit, the
-    worker's prefill and decode, a share of a step), through an SDK provider and kvledger's
-    encoder, measured in this process: the cost without the noise of a shared machine."""
+    services make: the gateway's server, GenAI and route spans, the ledger's queue and admit, the
+    worker's prefill and decode, a share of a step), through an SDK provider's lean tracer and
+    kvledger's encoder, measured in this process: the cost without the noise of a shared machine."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
     from observability.otlp_encoding import encode_spans
-    from observability.tracing import kvledger_sampler
+    from observability.tracing import kvledger_sampler, lean_tracer
 
     class Encoding(SpanExporter):
         def export(self, spans):  # type: ignore[no-untyped-def]
@@ -302,7 +302,7 @@ def isolated_span_cost(iterations: int = 300) -> float:
 
     provider = TracerProvider(sampler=kvledger_sampler())
     provider.add_span_processor(SimpleSpanProcessor(Encoding()))
-    tracer = provider.get_tracer("kvledger")
+    tracer = lean_tracer(provider.get_tracer("kvledger"))  # as the services make them
 
     def attrs(n: int, rid: str) -> dict:
         return {"kvledger.request_id": rid, **{f"kvledger.attribute_{i}": i for i in range(n - 1)}}
@@ -311,7 +311,7 @@ def isolated_span_cost(iterations: int = 300) -> float:
         rid = f"cmpl-{i:032x}"
         with tracer.start_as_current_span("POST /v1/completions", attributes=attrs(4, rid)):
             genai = tracer.start_span("text_completion m", attributes=attrs(26, rid))
-            for n in (8, 8, 10):  # queue, admit, prefill
+            for n in (11, 8, 8, 10):  # route, queue, admit, prefill
                 tracer.start_span("kvledger.x", attributes=attrs(n, rid)).end()
             decode = tracer.start_span("kvledger.decode", attributes=attrs(8, rid))
             decode.add_link(decode.get_span_context())

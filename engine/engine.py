@@ -38,16 +38,18 @@ from engine.translate import (
     request_output,
     validate_request,
 )
-from engine.workers import PoolPlan, group_view, membership_changes
+from engine.workers import PoolPlan, group_view, membership_changes, plan_cpu_tier
 from engine.zmq_events import ZmqEventPublisher
 from ledger.events import AllBlocksCleared
 from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
+from ledger.offloading.connector import OffloadingConnectorScheduler
+from ledger.offloading.manager import CPUOffloadingManager
 from ledger.request import Request, RequestStatus
 from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ledger.step_costs import EVICTION_INTERVAL_S, StepCostEstimator, eviction_horizon
 from observability import LedgerMetrics, get_logger, in_trace, new_registry
-from services.config import LedgerConfig
+from services.config import LedgerConfig, OffloadingConfig
 from services.startup import freeze_after_startup
 from services.transport import redis_streams, registry
 from services.transport.keys import STEPS_MAXLEN
@@ -114,6 +116,13 @@ class Engine:
             watermark=config.watermark,
             record_evictions=True,
         )
+        # The CPU tier (--kv-offloading-size / --kv-transfer-config): off unless configured.
+        self.num_cpu_chunks, connector, tier_line = 0, None, None
+        if config.offloading is not None:
+            self.num_cpu_chunks, tier_line = plan_cpu_tier(
+                config.offloading, plan, config.block_size
+            )
+            connector = build_connector(config.offloading, self.num_cpu_chunks, config.block_size)
         self.scheduler: Scheduler[Tracked] = Scheduler(
             SchedulerConfig(
                 max_model_len=config.max_model_len,
@@ -123,6 +132,7 @@ class Engine:
                 async_scheduling=config.async_scheduling,
             ),
             self.manager,
+            connector,
         )
         self.hasher = BlockHasher(config.hash_algo) if config.enable_prefix_caching else None
         self.metrics = LedgerMetrics(new_registry(), self.model_name)
@@ -170,6 +180,8 @@ class Engine:
             workers=sorted(workers),
             profile=plan.profile,
         )
+        if tier_line is not None:
+            log.info("cpu_tier_capacity", line=tier_line, num_cpu_chunks=self.num_cpu_chunks)
 
     @property
     def epoch(self) -> str:
@@ -250,7 +262,7 @@ class Engine:
     async def _new_generation(self, reason: str) -> None:
         """Start over on the workers' side: a new epoch, and AllBlocksCleared for subscribers."""
         self.generation += 1
-        self.manager.take_events()
+        self.scheduler.take_events()
         await self._publish_events([AllBlocksCleared()])
         await self._write_snapshot()
         log.info("epoch_started", epoch=self.epoch, reason=reason)
@@ -286,7 +298,7 @@ class Engine:
                 scheduled_ns = time.time_ns()  # the spans' time: before the workers start
                 await self._dispatch(out)  # the workers run it
                 await self._while_workers_compute(out, scheduled_ns)
-                if not out.is_empty and len(self.in_flight) < self.depth:
+                if _runs(out) and len(self.in_flight) < self.depth:
                     continue  # fill the pipeline before waiting
             if not self.in_flight:
                 await self.intake.wait(0.05)
@@ -300,7 +312,7 @@ class Engine:
         await self._flush_outputs()
 
     def _can_schedule(self) -> bool:
-        return bool(self.workers) and self.scheduler.has_unfinished_requests()
+        return bool(self.workers) and self.scheduler.has_requests()
 
     async def _between_steps(self) -> None:
         await self.leadership.ensure()
@@ -317,16 +329,16 @@ class Engine:
     async def _idle(self) -> None:
         # Async scheduling caches a finished request's last blocks as its tokens come back:
         # publish them now rather than with the next request's first step.
-        await self._publish_events(self.manager.take_events())
+        await self._publish_events(self.scheduler.take_events())
         await self._flush_outputs()
         self.telemetry.update_metrics(self.scheduler, self.manager)
         await self._write_eviction_head()
         await self.intake.wait(0.5 if self.workers else 0.2)
 
     async def _dispatch(self, out: SchedulerOutput[Tracked]) -> None:
-        if out.is_empty:
+        if not _runs(out):
             return
-        step = build_step_message(out, self.epoch, self.cfg.block_size)
+        step = build_step_message(out, self.epoch, self.cfg.block_size, self.num_cpu_chunks)
         step.leader_token = self.leadership.token
         # A leader paused past its lease and deposed stops here: renewed first if its deadline
         # passed, and fenced in Redis by the write itself.
@@ -342,16 +354,22 @@ class Engine:
         """Spans, KV events, the last step's tokens, metrics and the eviction head, while the
         workers compute."""
         self.telemetry.on_schedule(out, self.manager, scheduled_ns)
-        await self._publish_events(self.manager.take_events())
+        await self._publish_events(self.scheduler.take_events())
         await self._flush_outputs()
         self.telemetry.update_metrics(self.scheduler, self.manager)
         await self._write_eviction_head()
 
     def _update(self, out: SchedulerOutput[Tracked], result: StepResult, started: float) -> None:
         file_logprobs(out, result)
-        self.outputs.hold(self.scheduler.update_from_output(out, result.sampled_token_ids))
+        self.outputs.hold(
+            self.scheduler.update_from_output(
+                out, result.sampled_token_ids, result.transfers_done or ()
+            )
+        )
         now = time.monotonic()
         self.metrics.record_step(now - started)
+        if out.is_empty:
+            return  # the CPU tier's copies alone: no step cost to learn from
         # The time this step held the pipeline: from its dispatch, or from the previous step's
         # end when it was dispatched while that one ran (async scheduling overlaps two).
         occupied = now - max(started, self._last_step_done)
@@ -408,12 +426,18 @@ class Engine:
             step_id=self.scheduler.step_id, preemptions=preemptions
         )
         self.telemetry.on_schedule(out, self.manager)
-        await self._publish_events(self.manager.take_events())
+        # The workers' CPU tier goes with their KV data: forgotten, and published as such.
+        await self._publish_events(self.scheduler.take_events() + self.scheduler.forget_tier())
         self.manager.reset_prefix_cache()
+        before = {(w, hello.started_at) for w, hello in self.workers.items()}
         self.workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
         self.workers = group_view(
             {w: h for w, h in self.workers.items() if h.num_gpu_blocks >= self.num_gpu_blocks}
         )
+        if {(w, hello.started_at) for w, hello in self.workers.items()} != before:
+            # Other workers, other speed: routers read these costs (a restarted worker measured
+            # by its cold first steps would be priced out of every request that could correct it).
+            self.step_costs.restart(skip_steps=self.depth)
         if self.workers:
             self.no_worker_since = None
         log.warning(
@@ -692,6 +716,29 @@ class Engine:
         await self.leadership.write(
             ("SET", self.streams.ledger_eviction, encode(self.eviction_head()), "PX", 5000)
         )
+
+
+def _runs(out: SchedulerOutput[Tracked]) -> bool:
+    """Whether the workers have something to do in a step: tokens, or the CPU tier's copies."""
+    return not out.is_empty or out.has_transfers
+
+
+def build_connector(
+    offloading: OffloadingConfig, num_cpu_chunks: int, block_size: int
+) -> OffloadingConnectorScheduler:
+    """The CPU tier's books and decisions (ledger.offloading), configured as vLLM's. Every
+    worker of a step reports its copies with the step's result, and the step counts only once
+    all of them did: the connector hears one report per copy."""
+    manager = CPUOffloadingManager(
+        num_cpu_chunks,
+        offloading.eviction_policy,
+        enable_events=True,  # the ledger always publishes its KV events
+        store_threshold=offloading.store_threshold,
+        max_tracker_size=offloading.max_tracker_size,
+    )
+    return OffloadingConnectorScheduler(
+        manager, block_size, num_workers=1, offload_prompt_only=offloading.offload_prompt_only
+    )
 
 
 def _expected_hits(request: Request[Tracked]) -> int:

@@ -114,6 +114,17 @@ class StepResults:
                     primary=primary.worker_id,
                 )
                 return None
+        sent = out.kv_transfers
+        jobs = set(sent.load_jobs) | set(sent.store_jobs) if sent is not None else set()
+        for worker_id, result in results.items():
+            # Every worker ran every copy of the step on its share (one that did not, an older
+            # worker, would leave the tier waiting for a copy that never comes).
+            if set(result.transfers_done or ()) != jobs:
+                log.error(
+                    "step_transfers_mismatch", step_id=step_id, worker_id=worker_id,
+                    sent=sorted(jobs), done=sorted(result.transfers_done or ()),
+                )  # fmt: skip
+                return None
         got = set(primary.sampled_token_ids)
         if got != out.sampling_req_ids:
             log.error(

@@ -45,6 +45,7 @@ from observability import (
     format_block_hashes,
     get_logger,
     in_trace,
+    lean_tracer,
     record_span,
     span_context_from_traceparent,
 )
@@ -117,7 +118,7 @@ class LedgerTelemetry:
         scheduler: Scheduler[Tracked] | None = None,
         costs: StepCostEstimator | None = None,
     ) -> None:
-        self.tracer = tracer
+        self.tracer = lean_tracer(tracer)
         self.metrics = metrics
         self.costs = costs  # the queue waits feed the step costs published for routers
         self.scheduler = scheduler
@@ -125,12 +126,18 @@ class LedgerTelemetry:
         # req_id -> the span its trace continues from (sampled or not), kept after the request
         # ends: later preemptions and evictions link back to it.
         self.contexts: OrderedDict[str, SpanContext | None] = OrderedDict()
+        self.parents: OrderedDict[str, Context] = (
+            OrderedDict()
+        )  # of sampled requests, until they end
         self.waits: dict[str, _Wait] = {}  # requests in the waiting queue
         self.evict_runs: dict[str, _EvictRun] = {}
         self.evicted: OrderedDict[BlockHash, _Evicted] = OrderedDict()
         self.holds: deque[_Hold] = deque(maxlen=MAX_HOLDS)
         self.priority_policy = scheduler is not None and scheduler.config.policy == "priority"
         self._stats_seen = PrefixCacheStats()
+        self._tier_seen = PrefixCacheStats()
+        self._tier_blocks_seen = (0, 0)
+        self._prompt_computed_seen = 0
         self._evicted_blocks = 0
 
     # ------------------------------------------------------------------ requests in and out
@@ -180,6 +187,7 @@ class LedgerTelemetry:
             if parent is not None:
                 last_step = self.scheduler.step_id if self.scheduler is not None else 0
                 self._queue_span(request_id, wait, parent, now, last_step, outcome or "ended")
+        self.parents.pop(request_id, None)
 
     def close(self) -> None:
         """The ledger stops: end the spans still open."""
@@ -492,11 +500,19 @@ class LedgerTelemetry:
     # ------------------------------------------------------------------ contexts
 
     def _parent(self, request_id: str) -> Context | None:
-        """The context a span of this request starts in, None when its trace is not sampled."""
+        """The context a span of this request starts in, None when its trace is not sampled
+        (made once per request: its queue, admission and evictions start there)."""
+        parent = self.parents.get(request_id)
+        if parent is not None:
+            return parent
         span_context = self.contexts.get(request_id)
         if span_context is None or not span_context.trace_flags.sampled:
             return None
-        return trace.set_span_in_context(trace.NonRecordingSpan(span_context), Context())
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(span_context), Context())
+        self.parents[request_id] = parent
+        if len(self.parents) > MAX_REMEMBERED_TRACES:
+            self.parents.popitem(last=False)
+        return parent
 
     def in_request(self, request_id: str) -> contextlib.AbstractContextManager[None]:
         """Log lines written inside carry the request's trace id."""
@@ -518,3 +534,25 @@ class LedgerTelemetry:
                 queried_tokens=stats.queries - seen.queries, hit_tokens=stats.hits - seen.hits
             )
             seen.queries, seen.hits = stats.queries, stats.hits
+        computed = scheduler.num_prompt_tokens_computed
+        if computed != self._prompt_computed_seen:
+            self.metrics.record_prompt_tokens_computed(computed - self._prompt_computed_seen)
+            self._prompt_computed_seen = computed
+        if scheduler.connector is not None:
+            self._update_tier_metrics(scheduler)
+
+    def _update_tier_metrics(self, scheduler: Scheduler) -> None:
+        assert self.metrics is not None
+        stats, seen = scheduler.connector_prefix_cache_stats, self._tier_seen
+        if stats.queries != seen.queries or stats.hits != seen.hits:
+            self.metrics.record_external_prefix_cache(
+                queried_tokens=stats.queries - seen.queries, hit_tokens=stats.hits - seen.hits
+            )
+            seen.queries, seen.hits = stats.queries, stats.hits
+        loaded, stored = scheduler.num_loaded_blocks, scheduler.num_stored_blocks
+        if (loaded, stored) != self._tier_blocks_seen:
+            seen_loaded, seen_stored = self._tier_blocks_seen
+            self.metrics.record_cpu_tier(
+                loaded_blocks=loaded - seen_loaded, stored_blocks=stored - seen_stored
+            )
+            self._tier_blocks_seen = (loaded, stored)

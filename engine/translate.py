@@ -18,6 +18,8 @@ from services.transport.redis_streams import Entry
 from services.wire.messages import (
     CachedRequestData,
     GenerateRequest,
+    KVTransfer,
+    KVTransfers,
     NewRequestData,
     RequestOutput,
     SamplingParams,
@@ -203,7 +205,9 @@ def failure_output(
     )
 
 
-def build_step_message(out: SchedulerOutput[Tracked], epoch: str, block_size: int) -> StepMessage:
+def build_step_message(
+    out: SchedulerOutput[Tracked], epoch: str, block_size: int, num_cpu_chunks: int = 0
+) -> StepMessage:
     """The wire form of one scheduler step; each request's payload is its `Tracked`."""
 
     def traceparent(request: Request[Tracked]) -> str | None:
@@ -239,4 +243,18 @@ def build_step_message(out: SchedulerOutput[Tracked], epoch: str, block_size: in
         preempted_req_ids=out.preempted_req_ids,
         block_size=block_size,
         sent_at=time.time(),
+        kv_transfers=kv_transfers(out, num_cpu_chunks) if out.has_transfers else None,
+    )
+
+
+def kv_transfers(out: SchedulerOutput[Tracked], num_cpu_chunks: int) -> KVTransfers:
+    """The CPU tier's copies of a step. Only this step's stores can need a flush: a worker runs
+    every copy of a step before it answers, so the stores of earlier steps are done already."""
+    meta = out.kv_transfers
+    assert meta is not None
+    return KVTransfers(
+        num_cpu_chunks=num_cpu_chunks,
+        loads=[KVTransfer(job_id, job.src, job.dst) for job_id, job in meta.load_jobs.items()],
+        stores=[KVTransfer(job_id, job.src, job.dst) for job_id, job in meta.store_jobs.items()],
+        flush=sorted(job_id for job_id in meta.jobs_to_flush if job_id in meta.store_jobs),
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ledger.capacity import BlockCost, capacity_line, check_enough_blocks
+from ledger.offloading.base import num_cpu_chunks
+from services.config import OffloadingConfig
 from services.startup import StartupError
 from services.wire.messages import WorkerHello
 
@@ -17,6 +19,8 @@ class PoolPlan:
     model_name: str
     capacity_line: str
     profile: str  # the smallest worker's memory profile, for the start-up log
+    bytes_per_block: int = 0  # one worker's share of a block (a rank's, under TP)
+    world_size: int = 1  # workers that each hold a share of every block (the TP size)
 
 
 def plan_pool(
@@ -59,7 +63,26 @@ def plan_pool(
         model_name=smallest.model_name,
         capacity_line=line,
         profile=smallest.detail,
+        bytes_per_block=smallest.bytes_per_block,
+        world_size=smallest.tp_size,
     )
+
+
+def plan_cpu_tier(offloading: OffloadingConfig, plan: PoolPlan, block_size: int) -> tuple[int, str]:
+    """How many blocks the CPU tier holds (vLLM's count: --kv-offloading-size over one block of
+    every worker, padded to whole pages) and the line that says so; refused when not one."""
+    chunks = num_cpu_chunks(offloading.cpu_bytes_to_use, plan.bytes_per_block, plan.world_size)
+    gib = offloading.cpu_bytes_to_use / 2**30
+    if chunks < 1:
+        raise StartupError(
+            f"the CPU tier of {gib:g} GiB (--kv-offloading-size or cpu_bytes_to_use) holds no "
+            f"block of {plan.bytes_per_block * plan.world_size:,} bytes: give it more"
+        )
+    line = (
+        f"CPU tier ({offloading.eviction_policy}): {chunks:,} blocks, {chunks * block_size:,} "
+        f"tokens, {gib:g} GiB"
+    )
+    return chunks, line
 
 
 def group_view(live: dict[str, WorkerHello]) -> dict[str, WorkerHello]:

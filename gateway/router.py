@@ -307,7 +307,8 @@ class Replicas(GatewayRouting):
                     503, str(exc),
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 ) from None  # fmt: skip
-            span.set_attributes(_span_attributes(decision))
+            if span.is_recording():  # a trace the sampler left out costs nothing here
+                span.set_attributes(_span_attributes(decision))
         chosen = decision.score_of(decision.replica)
         self._routed.labels(decision.replica, self.policy).inc()
         self._routed_hit.labels(decision.replica, self.policy).inc(chosen.cached_tokens)

@@ -23,7 +23,7 @@ from gateway.output_reader import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
 from gateway.router import routing_for
 from gateway.tools import ConfigProblem, ToolSettings
-from observability import GatewayMetrics, LedgerSnapshot, get_logger, new_registry
+from observability import GatewayMetrics, LedgerSnapshot, get_logger, lean_tracer, new_registry
 from services.config import GatewayConfig
 from services.environment import ConfigError
 from services.startup import freeze_after_startup
@@ -55,7 +55,7 @@ class Gateway:
         self.config = config
         self.redis = redis
         self.tokenizer = tokenizer
-        self.tracer = tracer
+        self.tracer = tracer = lean_tracer(tracer)
         self.gateway_id = config.gateway_id or default_gateway_id()
         self.started_at = time.time()
         self.default_model_name = config.model_name or tokenizer.name

@@ -18,35 +18,48 @@ decode spans are ended by `close_all` (idle, new epoch, shutdown), so none is lo
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
+from itertools import compress
+from operator import attrgetter
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
+from opentelemetry.util.types import AttributeValue
 
-from observability import Attr, EventName, SpanName, span_context_from_traceparent
-from services.wire.messages import StepMessage
+from observability import (
+    Attr,
+    EventName,
+    SpanName,
+    lean_tracer,
+    never_sampled,
+    record_root_span,
+    span_context_from_traceparent,
+)
+from services.wire.messages import CachedRequestData, NewRequestData, StepMessage
+
+_REQ_ID = attrgetter("req_id")
+
+
+class _StepRef:
+    """One step (its id, its end, and its span once that exists: made after the requests'
+    work in the step is counted): a decode run points at its first and its latest step."""
+
+    __slots__ = ("context", "end_ns", "step_id")
+
+    def __init__(self, step_id: int, end_ns: int) -> None:
+        self.step_id = step_id
+        self.end_ns = end_ns
+        self.context: SpanContext | None = None
 
 
 class _Decode:
-    __slots__ = (
-        "compute_ns",
-        "first_step",
-        "first_step_context",
-        "last_end_ns",
-        "last_step",
-        "last_step_context",
-        "num_steps",
-        "num_tokens",
-        "span",
-    )
+    __slots__ = ("compute_ns", "first_step", "last", "num_steps", "num_tokens", "span")
 
-    def __init__(self, span: Span, step_id: int, step_context: SpanContext | None) -> None:
+    def __init__(self, span: Span, step: _StepRef) -> None:
         self.span = span
-        self.first_step = self.last_step = step_id
-        self.first_step_context = self.last_step_context = step_context
-        self.num_steps = self.num_tokens = self.compute_ns = self.last_end_ns = 0
+        self.first_step = step.step_id
+        self.last = step  # the latest step it took part in
+        self.num_steps = self.num_tokens = self.compute_ns = 0
 
 
 class _Request:
@@ -78,7 +91,7 @@ class RequestSpans:
         requests: bool = True,
         detailed: bool = False,
     ) -> None:
-        self.tracer = tracer
+        self.tracer = lean_tracer(tracer)
         self.worker_id = worker_id
         self.steps_stream = steps_stream
         self.trace_requests = requests
@@ -101,6 +114,8 @@ class RequestSpans:
         if self.trace_requests:
             for new in step.new_reqs:
                 self._forget(new.req_id, "resumed")
+                if never_sampled(new.traceparent):
+                    continue
                 span_context = span_context_from_traceparent(new.traceparent)
                 if span_context is not None and span_context.trace_flags.sampled:
                     parent = trace.set_span_in_context(
@@ -111,17 +126,25 @@ class RequestSpans:
                         new.num_preemptions,
                     )  # fmt: skip
         scheduled = step.num_scheduled_tokens
+        step_ref = _StepRef(step.step_id, end_ns)
         prefills: list[Span] = []
-        decodes: list[_Request] = []
+        started: list[_Decode] = []  # decode runs that began in this step
+        decodes: list[_Request] = []  # with --collect-detailed-traces: every decoding request
         links: list[Link] = []
         num_traced = 0
         if requests:
-            for req_id, position in _positions(step):
-                request = requests.get(req_id)
-                if request is None:
-                    continue
+            # Per step and traced request only counters move: this loop runs for every request
+            # of every step, so the spans' ends are computed once, when a run ends.
+            detailed = self.detailed
+            step_ns = end_ns - start_ns
+            work: list[NewRequestData | CachedRequestData] = [*step.new_reqs, *step.cached_reqs]
+            # The traced ones, picked in C (a step of a ratio's batch holds few of them)
+            for data in compress(work, map(requests.__contains__, map(_REQ_ID, work))):
+                req_id = data.req_id
+                request = requests[req_id]
                 num_tokens = scheduled.get(req_id, 0)
                 num_traced += 1
+                position = data.num_computed_tokens
                 if position < request.prefill_until:
                     span = self._prefill_span(request, step, position, num_tokens, start_ns)
                     prefills.append(span)
@@ -129,55 +152,50 @@ class RequestSpans:
                     if request.decode is not None:  # a chunk after decoding: not expected
                         self._end_decode(request, "prefill")
                     continue
-                if request.decode is None:
-                    request.decode = _Decode(
+                decode = request.decode
+                if decode is None:
+                    decode = request.decode = _Decode(
                         self.tracer.start_span(
                             SpanName.DECODE,
                             context=request.parent,
                             start_time=start_ns,
                             attributes={Attr.REQUEST_ID: req_id},
                         ),
-                        step.step_id,
-                        None,
+                        step_ref,
                     )
-                decode = request.decode
+                    started.append(decode)
+                    links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
+                elif detailed:
+                    links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
                 decode.num_steps += 1
                 decode.num_tokens += num_tokens
-                decode.compute_ns += end_ns - start_ns
-                decode.last_step, decode.last_end_ns = step.step_id, end_ns
-                decodes.append(request)
-                if decode.num_steps == 1 or self.detailed:
-                    links.append(Link(decode.span.get_span_context(), {Attr.REQUEST_ID: req_id}))
-        step_span = self._step_span(step, start_ns, links, num_traced)
-        if error is not None:
-            step_span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
-        step_context = step_span.get_span_context() if step_span.is_recording() else None
+                decode.compute_ns += step_ns
+                decode.last = step_ref
+                if detailed:
+                    decodes.append(request)
+        step_context = self._step_span(step, start_ns, end_ns, links, num_traced, error)
+        step_ref.context = step_context
         for span in prefills:
             if step_context is not None:
                 span.add_link(step_context)
             if error is not None:
                 span.set_attribute(Attr.ERROR_TYPE, error.split(":")[0])
             span.end(end_time=end_ns)
+        if step_context is not None:
+            for run in started:  # a decode run links to its first step (and, ended, its last)
+                run.span.add_link(step_context)
         for request in decodes:
-            run = request.decode
-            assert run is not None
-            if run.first_step_context is None and run.num_steps == 1:
-                run.first_step_context = step_context
-                if step_context is not None:
-                    run.span.add_link(step_context)
-            run.last_step_context = step_context
-            if self.detailed:
-                run.span.add_event(
-                    EventName.STEP,
-                    {
-                        Attr.STEP_ID: step.step_id,
-                        Attr.BATCH_SIZE: len(scheduled),
-                        Attr.NUM_TOKENS: scheduled.get(request.req_id, 0),
-                        Attr.COMPUTE_S: (end_ns - start_ns) / 1e9,
-                    },
-                    timestamp=start_ns,
-                )
-        step_span.end(end_time=end_ns)
+            assert request.decode is not None
+            request.decode.span.add_event(
+                EventName.STEP,
+                {
+                    Attr.STEP_ID: step.step_id,
+                    Attr.BATCH_SIZE: len(scheduled),
+                    Attr.NUM_TOKENS: scheduled.get(request.req_id, 0),
+                    Attr.COMPUTE_S: (end_ns - start_ns) / 1e9,
+                },
+                timestamp=start_ns,
+            )
 
     def _prefill_span(
         self, request: _Request, step: StepMessage, position: int, num_tokens: int, start_ns: int
@@ -201,17 +219,24 @@ class RequestSpans:
         )
 
     def _step_span(
-        self, step: StepMessage, start_ns: int, links: list[Link], num_traced: int
-    ) -> Span:
-        scheduled = step.num_scheduled_tokens
-        num_tokens = sum(scheduled.values())
-        decode_tokens = sum(1 for r in step.cached_reqs if scheduled.get(r.req_id) == 1)
-        return self.tracer.start_span(
-            SpanName.STEP,
-            kind=SpanKind.CONSUMER,
-            start_time=start_ns,
-            links=links,
-            attributes={
+        self,
+        step: StepMessage,
+        start_ns: int,
+        end_ns: int,
+        links: list[Link],
+        num_traced: int,
+        error: str | None,
+    ) -> SpanContext | None:
+        """The step's span, made and ended at once; its context when kept. The sampler reads
+        how many sampled requests it computed (kvledger_sampler keeps such a step); the rest is
+        built only for a step kept."""
+
+        def attributes() -> dict[str, AttributeValue]:
+            scheduled = step.num_scheduled_tokens
+            num_tokens = sum(scheduled.values())
+            # a running request computing one token decodes (counted in C: this runs each step)
+            decode_tokens = [*map(scheduled.get, map(_REQ_ID, step.cached_reqs))].count(1)
+            attributes: dict[str, AttributeValue] = {
                 Attr.STEP_ID: step.step_id,
                 Attr.WORKER_ID: self.worker_id,
                 Attr.BATCH_SIZE: len(scheduled),
@@ -223,8 +248,16 @@ class RequestSpans:
                 Attr.MESSAGING_DESTINATION_NAME: self.steps_stream,
                 Attr.MESSAGING_BATCH_MESSAGE_COUNT: len(scheduled),
                 Attr.NUM_TRACED_REQUESTS: num_traced,
-            },
-        )
+            }
+            if error is not None:
+                attributes[Attr.ERROR_TYPE] = error.split(":")[0]
+            return attributes
+
+        return record_root_span(
+            self.tracer, SpanName.STEP, kind=SpanKind.CONSUMER, start_ns=start_ns, end_ns=end_ns,
+            links=links, sampling_attributes={Attr.NUM_TRACED_REQUESTS: num_traced},
+            attributes=attributes,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ ends
 
@@ -243,16 +276,16 @@ class RequestSpans:
                 Attr.NUM_STEPS: decode.num_steps,
                 Attr.NUM_COMPUTED_TOKENS: decode.num_tokens,
                 Attr.FIRST_STEP_ID: decode.first_step,
-                Attr.LAST_STEP_ID: decode.last_step,
+                Attr.LAST_STEP_ID: decode.last.step_id,
                 Attr.COMPUTE_S: decode.compute_ns / 1e9,
                 Attr.SEGMENT_END: why,
                 Attr.NUM_PREEMPTIONS: request.num_preemptions,
             }
         )
-        last = decode.last_step_context
-        if last is not None and decode.last_step != decode.first_step:
+        last = decode.last.context
+        if last is not None and decode.last.step_id != decode.first_step:
             span.add_link(last)
-        span.end(end_time=decode.last_end_ns or time.time_ns())
+        span.end(end_time=decode.last.end_ns)
 
     def idle(self) -> None:
         """No step came for a while: end the decode runs (a request that comes back starts a
@@ -267,11 +300,3 @@ class RequestSpans:
             if request.decode is not None:
                 self._end_decode(request, why)
         self.requests.clear()
-
-
-def _positions(step: StepMessage) -> Iterable[tuple[str, int]]:
-    """(req_id, the position of its first token computed in this step) for every request."""
-    for new in step.new_reqs:
-        yield new.req_id, new.num_computed_tokens
-    for cached in step.cached_reqs:
-        yield cached.req_id, cached.num_computed_tokens

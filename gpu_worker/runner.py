@@ -16,6 +16,7 @@ from gpu_worker.checkpoint import load_model, model_name
 from gpu_worker.devices import resolve_device
 from gpu_worker.logprobs import gather_logprobs
 from gpu_worker.model import LlamaForCausalLM
+from gpu_worker.offload import HostKVTier, TransferError
 from gpu_worker.parallel import TensorParallel
 from gpu_worker.profile import (
     MemoryProfile,
@@ -38,6 +39,7 @@ from ledger.capacity import cdiv
 from services.tokenization.model_source import TINY_MODEL
 from services.wire.messages import (
     CachedRequestData,
+    KVTransfers,
     NewRequestData,
     PromptLogprobs,
     SamplingParams,
@@ -93,6 +95,7 @@ class StepOutput:
     num_tokens: int  # tokens the forward pass computed (prefix-cache hits excluded)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled tokens
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    transfers_done: list[int] | None = None  # the step's CPU-tier copies, all run
 
 
 @dataclass(slots=True)
@@ -123,6 +126,7 @@ class ModelRunner:
         tokenizer_model: str = TINY_MODEL,  # whose tokenizer structured outputs mask over
     ) -> None:
         self.model = model
+        model.fuse_projections()  # one matmul for q/k/v and one for gate/up (names unchanged)
         self.config = model.config
         self.name = name
         self.profile = profile
@@ -143,6 +147,8 @@ class ModelRunner:
         ]
         self.requests: dict[str, RequestState] = {}
         self.epoch: str | None = None
+        # The CPU tier's host buffer, made at the first step that names the tier's size.
+        self.host_tier: HostKVTier | None = None
         self._generator = torch.Generator(self.device).manual_seed(seed)  # unseeded requests
         self._seed = seed
         self.structured = StructuredOutputs(tokenizer_model, self.config.vocab_size)
@@ -213,6 +219,8 @@ class ModelRunner:
             self.epoch = step.epoch
         if step.block_size != self.block_size:
             raise StepError(f"step block_size {step.block_size} != the cache's {self.block_size}")
+        transfers = step.kv_transfers
+        tier = self._host_tier(transfers) if transfers is not None else None
         for req_id in (*step.finished_req_ids, *step.preempted_req_ids):
             self.requests.pop(req_id, None)
         chunks = self._plan(step)
@@ -220,8 +228,30 @@ class ModelRunner:
             c.state.token_ids.extend(c.new_token_ids)
             c.state.block_ids.extend(c.new_block_ids)
             self.requests[c.req_id] = c.state
+        if tier is None or transfers is None:
+            running = [c for c in chunks if c.num_tokens > 0]
+            return self._run(running) if running else StepOutput({}, None, 0)
+        # The CPU tier's copies around the forward pass (KVTransfers says why in this order).
+        done = tier.before_forward(transfers, self.kv_caches)
         running = [c for c in chunks if c.num_tokens > 0]
-        return self._run(running) if running else StepOutput({}, None, 0)
+        output = self._run(running) if running else StepOutput({}, None, 0)
+        output.transfers_done = done + tier.after_forward(transfers, self.kv_caches)
+        return output
+
+    def _host_tier(self, transfers: KVTransfers) -> HostKVTier:
+        """The buffer the step's copies use, made (or remade at another size: a new ledger's
+        tier, empty in its books too) before anything changes; the copies checked against it."""
+        tier = self.host_tier
+        if tier is None or tier.num_chunks != transfers.num_cpu_chunks:
+            if transfers.num_cpu_chunks < 1:
+                raise StepError(f"a CPU tier of {transfers.num_cpu_chunks} chunks")
+            self.host_tier = tier = None  # the old buffer goes before the new one is pinned
+            tier = self.host_tier = HostKVTier(self.kv_caches, transfers.num_cpu_chunks)
+        try:
+            tier.check(transfers, self.num_blocks)
+        except TransferError as exc:
+            raise StepError(f"CPU tier: {exc}") from None
+        return tier
 
     def _plan(self, step: StepMessage) -> list[_Chunk]:
         """Check the whole step against the cache and the model; change nothing.

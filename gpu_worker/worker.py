@@ -297,6 +297,7 @@ class WorkerService:
             error=error,
             leader_token=step.leader_token,
             failed_requests=failed,
+            transfers_done=output.transfers_done,
         )
 
 

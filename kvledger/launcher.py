@@ -18,7 +18,8 @@ import json
 import os
 import sys
 import time
-from typing import cast
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 from redis.exceptions import RedisError
 
@@ -32,7 +33,10 @@ from services.config import (
     add_arguments,
     flag_fields,
     flag_of,
+    offloading_config,
     parse_kv_events_config,
+    parse_kv_transfer_config,
+    parse_offloading_size,
 )
 from services.environment import ConfigError, env, read_redis_url_file, redact_url
 from services.lifeline import Lifeline
@@ -65,6 +69,9 @@ UP_OWNS = frozenset(
 # Flags `up` takes as declared but hands each replica's ledger its own way: vLLM offsets the KV
 # events' ZMQ ports by data-parallel rank, `up` by replica index (through the environment).
 PER_REPLICA = frozenset({"kv_events_config"})
+
+
+T = TypeVar("T")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -198,6 +205,24 @@ def kv_events_config_of(args: argparse.Namespace) -> KVEventsConfig | None:
         raise ConfigError(f"{source}: {exc}") from None
 
 
+def check_offloading(args: argparse.Namespace) -> None:
+    """--kv-offloading-size and --kv-transfer-config (or their variables) checked once here, as
+    the ledger will read them: a bad field stops `up` before anything starts."""
+
+    def parsed(name: str, variable: str, parse: Callable[[str], T]) -> T | None:
+        text = getattr(args, name, None) or env(variable)
+        try:
+            return parse(text) if text else None
+        except ValueError as exc:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag if getattr(args, name, None) else variable}: {exc}") from None
+
+    size = parsed("kv_offloading_size", "KVLEDGER_KV_OFFLOADING_SIZE", parse_offloading_size)
+    transfer = parsed("kv_transfer_config", "KVLEDGER_KV_TRANSFER_CONFIG", parse_kv_transfer_config)
+    block_size = int(args.block_size or env("KVLEDGER_BLOCK_SIZE") or 16)
+    offloading_config(size, transfer, block_size)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     server = None
     if args.cpu_threads is not None and args.cpu_threads < 1:
@@ -215,6 +240,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         redis_url = redis_url_of(args)
         kv_events = kv_events_config_of(args)
+        check_offloading(args)
     except ConfigError as exc:
         print(f"kvledger up: {exc}", file=sys.stderr)
         return 2

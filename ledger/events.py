@@ -16,6 +16,8 @@ from typing import Any
 import msgspec
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 
 
 # gc=False: an event holds only lists and scalars, never a cycle, so the collector need not

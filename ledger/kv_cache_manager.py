@@ -127,19 +127,30 @@ class KVCacheManager:
         *,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = True,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        reserved_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Give the request slots for `num_new_tokens` more tokens; None if they do not fit.
 
         ```
-        | comp | new_comp | new | lookahead |
+        | comp | new_comp | ext_comp | new | lookahead |
           comp      = request.num_computed_tokens (blocks already held)
           new_comp  = num_new_computed_tokens (prefix-cache hit adopted by this call)
+          ext_comp  = num_external_computed_tokens (the CPU tier loads them into new blocks)
           new       = num_new_tokens (computed this step)
         ```
-        Allocated: everything after `comp`. Cached afterwards: full blocks up to
-        min(comp + new_comp + new, request.num_tokens). Nothing changes when it returns None.
+        Allocated: everything after `comp + new_comp`. Cached afterwards: full blocks up to
+        min(comp + new_comp + ext_comp + new, request.num_tokens), unless `delay_cache_blocks`
+        (a load still to come: they are cached once it is done); `reserved_blocks` stay free
+        for requests that hold blocks without running (loads). Nothing changes when it returns
+        None.
         """
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+        if (
+            num_new_tokens == 0
+            and num_new_computed_tokens == 0
+            and not num_external_computed_tokens
+        ):
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
@@ -153,6 +164,7 @@ class KVCacheManager:
             and not num_new_computed_tokens
             and not num_lookahead_tokens
             and not full_sequence_must_fit
+            and not num_external_computed_tokens
         ):
             # A running request that stays within the blocks it holds (most decode steps):
             # no watermark (it is not admitting), no block to take, so it always fits.
@@ -165,13 +177,15 @@ class KVCacheManager:
                     self.cache_blocks(request, num_tokens)
                 return []
         num_held = len(held) if held is not None else 0
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = (
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        )
         if num_computed > max_model_len:
             num_computed = max_model_len
         watermark = 0
         if has_scheduled_reqs and self.watermark_blocks and request.status in _ADMITTING:
             watermark = self.watermark_blocks
-        num_free = self.block_pool.free_block_queue.num_free_blocks
+        num_free = self.block_pool.free_block_queue.num_free_blocks - reserved_blocks
         if new_computed_blocks:
             # Free hit blocks leave the free queue when touched, so they count against capacity.
             num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
@@ -212,6 +226,8 @@ class KVCacheManager:
             held.extend(new_blocks)
         else:
             new_blocks = []
+        if delay_cache_blocks:
+            return new_blocks
         num_tokens = num_computed + num_new_tokens
         if num_tokens > len(request.all_token_ids):
             num_tokens = len(request.all_token_ids)

@@ -20,7 +20,10 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
-    # Everything after this is finished.
+    # Waiting, its blocks allocated, while the CPU tier loads part of its prefix into them
+    # (vLLM's WAITING_FOR_REMOTE_KVS; only with the offloading connector).
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    # Everything from here on is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -28,7 +31,7 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
+        return status >= RequestStatus.FINISHED_STOPPED
 
     @staticmethod
     def finish_reason(status: RequestStatus) -> str | None:
@@ -120,7 +123,7 @@ class Request(Generic[P]):
 
     @property
     def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED
+        return self.status >= RequestStatus.FINISHED_STOPPED
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         if isinstance(token_ids, int):

@@ -5,6 +5,14 @@ Each step first serves `running` (oldest first), growing each request by what it
 `running` (the lowest priority under the priority policy) by recompute. Only if nothing was
 preempted does it admit from `waiting`, while blocks, budget and `max_num_seqs` allow, stopping
 at the first request that does not fit. The whole policy is `schedule()`, read top to bottom.
+
+With the CPU tier (an `OffloadingConnectorScheduler`), the scheduler calls it as vLLM's calls
+its connector: a waiting request's lookup past its GPU hit (`get_num_new_matched_tokens`); a
+hit to load gets its blocks and waits (WAITING_FOR_REMOTE_KVS, passed over) until the workers
+report the load, then is admitted with those tokens computed; every allocation is told to the
+connector (`update_state_after_alloc`), every finished request too (`request_finished`, before
+its blocks are freed); the step carries the connector's loads and stores (`kv_transfers`), and
+the workers' reports come back through `update_from_output`. Without it, nothing of this runs.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ from dataclasses import dataclass
 from typing import Generic
 
 from ledger.capacity import cdiv
-from ledger.kv_cache_manager import KVCacheManager
+from ledger.events import AnyKVCacheEvent
+from ledger.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from ledger.offloading.connector import OffloadingConnectorScheduler
 from ledger.request import P, Request, RequestStatus
 from ledger.request_queue import WaitingQueue
 from ledger.scheduler_output import (
@@ -58,7 +68,12 @@ class SchedulerConfig:
 
 
 class Scheduler(Generic[P]):
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        connector: OffloadingConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         lendable = kv_cache_manager.block_pool.num_gpu_blocks - 1
@@ -77,8 +92,27 @@ class Scheduler(Generic[P]):
         self.running: list[Request[P]] = []
         self.step_id = 0
         self.num_preemptions = 0
+        # Prompt positions sent to the workers to compute (those a prefix-cache hit or the CPU
+        # tier provides are not; a preempted request's are sent again).
+        self.num_prompt_tokens_computed = 0
         # Requests freed since the last step: the workers drop their state.
         self.finished_req_ids: set[str] = set()
+        # The CPU tier (None: off). A load job's request, until the workers report the job;
+        # then the request is in `loaded` until it is admitted.
+        self.connector = connector
+        self.load_jobs: dict[int, str] = {}
+        self.loaded: set[str] = set()
+        # Per request waiting for (or done with) a load: (its GPU hit, the tokens loaded).
+        self.loading: dict[str, tuple[int, int]] = {}
+        # Waiting requests that hold blocks (loading, or loaded and not admitted yet), in order:
+        # they are admitted before any other waiting request (vLLM's kv_holding_waiting).
+        self.holding: dict[str, Request[P]] = {}
+        self.num_loads = 0
+        self.num_loaded_tokens = 0
+        self.num_loaded_blocks = 0
+        self.num_stored_blocks = 0
+        # The tier's lookups past the GPU hit, in tokens (vllm:external_prefix_cache_*).
+        self.connector_prefix_cache_stats = PrefixCacheStats()
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -97,6 +131,8 @@ class Scheduler(Generic[P]):
             request.update_block_hashes()
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus
@@ -136,7 +172,10 @@ class Scheduler(Generic[P]):
             else 0
         )
         scheduled_running, new_blocks_of, budget = self._schedule_running(out, budget, threshold)
-        scheduled_new = self._schedule_waiting(out, budget, threshold)
+        if self.connector is None:
+            scheduled_new = self._schedule_waiting(out, budget, threshold)
+        else:
+            scheduled_new = self._schedule_waiting_with_tier(out, budget, threshold)
         self._describe_for_workers(out, scheduled_running, new_blocks_of, scheduled_new)
         return out
 
@@ -277,6 +316,178 @@ class Scheduler(Generic[P]):
             out.waiting_held = WaitingHeld(self.waiting.peek().request_id, held)
         return scheduled_new
 
+    def _schedule_waiting_with_tier(
+        self, out: SchedulerOutput[P], token_budget: int, threshold: int
+    ) -> list[Request[P]]:
+        """`_schedule_waiting` with the CPU tier, as vLLM's waiting loop with its connector.
+
+        A request the tier can load part of past its GPU hit gets the blocks for both (the
+        whole sequence must fit, less what the requests already holding blocks still need),
+        its load goes out with this step, and it waits (WAITING_FOR_REMOTE_KVS) without
+        computing. Requests holding blocks come first, as vLLM's kv_holding_waiting: one whose
+        load the workers reported gets its blocks cached and is admitted like any other with
+        those tokens computed (a whole prompt loaded recomputes its last token, for the logits);
+        one still loading, and one whose lookup cannot answer yet (a block of its prefix is
+        still being stored or loaded), is passed over and keeps its place for the next step.
+        """
+        scheduled_new: list[Request[P]] = []
+        passed_over: list[Request[P]] = []
+        held = None
+        for request in list(self.holding.values()):
+            held = self._cannot_admit(out, token_budget)
+            if held is not None:
+                break
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.request_id not in self.loaded:
+                    continue  # still loading
+                self._finish_load(request)
+            held, num_new_tokens = self._admit_with_tier(out, request, token_budget, threshold)
+            if held is not None:
+                break
+            del self.holding[request.request_id]
+            self.waiting.remove(request)
+            scheduled_new.append(request)
+            token_budget -= num_new_tokens
+        while held is None and len(self.waiting):
+            held = self._cannot_admit(out, token_budget)
+            if held is not None:
+                break
+            request = self.waiting.peek()
+            if request.request_id in self.holding:
+                passed_over.append(self.waiting.pop())
+                continue
+            held, num_new_tokens = self._admit_with_tier(out, request, token_budget, threshold)
+            if held == "pass" or request.request_id in self.holding:
+                held = None
+                passed_over.append(self.waiting.pop())
+                continue
+            if held is not None:
+                break
+            self.waiting.pop()
+            scheduled_new.append(request)
+            token_budget -= num_new_tokens
+        for request in reversed(passed_over):
+            self.waiting.prepend(request)  # back at the front, in their order
+        if held is not None:
+            head = next(iter(self.holding.values()), None) if held != "preemption" else None
+            out.waiting_held = WaitingHeld((head or self.waiting.peek()).request_id, held)
+        return scheduled_new
+
+    def _cannot_admit(self, out: SchedulerOutput[P], token_budget: int) -> str | None:
+        if out.preemptions:
+            return "preemption"
+        if token_budget <= 0:
+            return "budget"
+        if len(self.running) >= self.config.max_num_seqs:
+            return "seats"
+        return None
+
+    def _admit_with_tier(
+        self, out: SchedulerOutput[P], request: Request[P], token_budget: int, threshold: int
+    ) -> tuple[str | None, int]:
+        """Admit one request, or start its load: (None, tokens scheduled), or (why not, 0):
+        "pass" when its lookup must be asked again next step, else the refusal's reason. A
+        request whose load starts is in `holding` afterwards."""
+        connector = self.connector
+        assert connector is not None
+        manager = self.kv_cache_manager
+        request_id = request.request_id
+        num_external, load_async, looked_up = 0, False, request.num_computed_tokens == 0
+        if looked_up:
+            hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            found, load_async = connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            if found is None:
+                return "pass", 0
+            num_external = found
+            num_computed = num_hit_tokens + num_external
+        else:  # loaded: its blocks are held and cached
+            hit_blocks, num_hit_tokens = [], 0
+            num_computed = request.num_computed_tokens
+        reserved = 0
+        if load_async:
+            num_new_tokens = 0  # nothing computes until the load is done
+            reserved = self._blocks_holding_requests_need()
+        else:
+            num_new_tokens = request.num_tokens - num_computed
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                if not self.config.enable_chunked_prefill:
+                    return "budget", 0
+                num_new_tokens = token_budget
+        watermark_applied = bool(self.running) and manager.watermark_blocks > 0
+        new_blocks = manager.allocate_slots(
+            request,
+            num_new_tokens,
+            num_hit_tokens,
+            hit_blocks,
+            full_sequence_must_fit=True,
+            has_scheduled_reqs=bool(self.running),
+            num_external_computed_tokens=num_external,
+            delay_cache_blocks=load_async,
+            reserved_blocks=reserved,
+        )
+        if new_blocks is None:
+            return manager.last_refusal, 0  # head-of-line: nothing behind it jumps the queue
+        self._attribute_evictions(out, request)
+        connector.update_state_after_alloc(request, manager.get_blocks(request_id), num_external)
+        if looked_up:
+            manager.record_prefix_cache_stats(request, num_hit_tokens)
+            self.connector_prefix_cache_stats.record(
+                request.num_tokens - num_hit_tokens, num_external, request.num_preemptions > 0
+            )
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed  # loaded blocks count as cached
+        if load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            request.num_computed_tokens = num_computed
+            self.holding[request_id] = request
+            self.loading[request_id] = (num_hit_tokens, num_external)
+            self.num_loads += 1
+            self.num_loaded_tokens += num_external
+            return None, 0
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        self.running.append(request)
+        out.num_scheduled_tokens[request_id] = num_new_tokens
+        num_local, num_loaded = self.loading.pop(request_id, (num_hit_tokens, 0))
+        out.admissions.append(
+            Admission(
+                request_id=request_id,
+                resumed=resumed,
+                num_hit_tokens=num_local,
+                num_hit_blocks=num_local // self.block_size,
+                num_new_blocks=len(new_blocks),
+                num_free_blocks_after=manager.num_free_blocks,
+                watermark_applied=watermark_applied,
+                num_loaded_tokens=num_loaded,
+            )
+        )
+        return None, num_new_tokens
+
+    def _blocks_holding_requests_need(self) -> int:
+        """Blocks the requests holding some (loading or loaded) still need for their whole
+        sequence: kept free when another load is admitted, so that they can all run."""
+        bs, max_model_len = self.block_size, self.config.max_model_len
+        get_blocks = self.kv_cache_manager.get_blocks
+        return sum(
+            max(cdiv(min(r.num_tokens, max_model_len), bs) - len(get_blocks(r.request_id)), 0)
+            for r in self.holding.values()
+        )
+
+    def _finish_load(self, request: Request[P]) -> None:
+        """The workers loaded the request's blocks: cache them (they hold its prefix now) and
+        make it an ordinary waiting request with those tokens computed (vLLM's
+        _update_waiting_for_remote_kv)."""
+        self.loaded.discard(request.request_id)
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens -= 1  # the last token is computed again, for its logits
+        request.status = (
+            RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        )
+
     def _describe_for_workers(
         self,
         out: SchedulerOutput[P],
@@ -292,18 +503,27 @@ class Scheduler(Generic[P]):
         get_block_ids = self.kv_cache_manager.get_block_ids
         cached_reqs = out.scheduled_cached_reqs
 
+        prompt_computed = 0
+
         def advance(request: Request[P], num_scheduled: int) -> None:
             # Every token is now on the workers; the request samples once its computed tokens
             # reach its known ones (placeholders included: async tokens still being sampled).
+            nonlocal prompt_computed
             num_tokens = len(request.all_token_ids)
             request.num_tokens_sent = num_tokens
-            num_computed = request.num_computed_tokens + num_scheduled
+            start = request.num_computed_tokens
+            num_computed = start + num_scheduled
             request.num_computed_tokens = num_computed
+            if start < request.num_prompt_tokens:
+                prompt_computed += min(num_computed, request.num_prompt_tokens) - start
             if num_computed >= num_tokens + request.num_output_placeholders:
                 sampling_req_ids.add(request.request_id)
                 if async_scheduling:
                     request.num_output_placeholders += 1
 
+        # The connector reads the step before it advances (as vLLM's build_connector_meta).
+        connector = self.connector
+        later: list[Request[P]] | None = None if connector is None else []
         for request in scheduled_running:
             request_id = request.request_id
             num_tokens = len(request.all_token_ids)
@@ -317,7 +537,10 @@ class Scheduler(Generic[P]):
                     num_computed,
                 )
             )
-            advance(request, num_scheduled_tokens[request_id])
+            if later is None:
+                advance(request, num_scheduled_tokens[request_id])
+            else:
+                later.append(request)
         for request in scheduled_new:
             request_id = request.request_id
             num_computed = request.num_computed_tokens
@@ -329,7 +552,20 @@ class Scheduler(Generic[P]):
                     num_computed_tokens=num_computed,
                 )
             )
-            advance(request, num_scheduled_tokens[request_id])
+            if later is None:
+                advance(request, num_scheduled_tokens[request_id])
+            else:
+                later.append(request)
+        if connector is not None and later is not None:
+            meta = out.kv_transfers = connector.build_connector_meta(out)
+            for job_id, job in meta.load_jobs.items():
+                self.load_jobs[job_id] = job.req_id
+                self.num_loaded_blocks += len(job.dst)
+            for job in meta.store_jobs.values():
+                self.num_stored_blocks += len(job.src)
+            for request in later:
+                advance(request, num_scheduled_tokens[request.request_id])
+        self.num_prompt_tokens_computed += prompt_computed
 
     def _pick_victim(self) -> Request[P]:
         if self.config.policy == "priority":
@@ -356,7 +592,10 @@ class Scheduler(Generic[P]):
     # ---------------------------------------------------------------- results of a step
 
     def update_from_output(
-        self, out: SchedulerOutput[P], sampled: dict[str, int]
+        self,
+        out: SchedulerOutput[P],
+        sampled: dict[str, int],
+        transfers_done: Iterable[int] = (),
     ) -> list[RequestUpdate[P]]:
         """Append each sampled token, stop finished requests and free their blocks.
 
@@ -427,9 +666,32 @@ class Scheduler(Generic[P]):
             updates.append(
                 RequestUpdate(request, (token,), True, RequestStatus.finish_reason(request.status))
             )
+        if self.connector is not None:
+            self._transfers_done(transfers_done)
         return updates
 
+    def _transfers_done(self, job_ids: Iterable[int]) -> None:
+        """The CPU tier's copies every worker finished (after the step's tokens, as vLLM's
+        update_from_output): the connector's books, and loaded requests ready to be admitted."""
+        assert self.connector is not None
+        done = list(job_ids)
+        if not done:
+            return
+        self.connector.update_connector_output(dict.fromkeys(done, 1))
+        for job_id in done:
+            req_id = self.load_jobs.pop(job_id, None)
+            request = self.requests.get(req_id) if req_id is not None else None
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.loaded.add(request.request_id)
+
     def _free_request(self, request: Request[P]) -> None:
+        if self.connector is not None:
+            # Before the blocks are freed (the tier never holds them back: stores that still
+            # read them are flushed when they are handed out again).
+            self.connector.request_finished(request)
+            self.loading.pop(request.request_id, None)
+            self.loaded.discard(request.request_id)
+            self.holding.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -445,6 +707,40 @@ class Scheduler(Generic[P]):
         for preemption in out.preemptions:
             preemption.reason = reason
         return out.preemptions
+
+    def forget_tier(self) -> list[AnyKVCacheEvent]:
+        """The workers' CPU tier is gone (a worker restarted, or its data can no longer be
+        trusted): requests waiting for a load give their blocks back and start over, and the
+        tier's books are emptied. Returns the events that say so (BlockRemoved, medium CPU, of
+        every block it held). Call after `preempt_all`, before the GPU cache is reset."""
+        if self.connector is None:
+            return []
+        for request in self.holding.values():
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = (
+                RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            )
+        self.load_jobs.clear()
+        self.loaded.clear()
+        self.loading.clear()
+        self.holding.clear()
+        return self.connector.forget()
+
+    def take_events(self) -> list[AnyKVCacheEvent]:
+        """The KV events since the last call: the GPU pool's, then the CPU tier's (vLLM's
+        order)."""
+        events = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        return events
+
+    def has_requests(self) -> bool:
+        """Whether a step is due: unfinished requests, or (with the CPU tier) finished ones whose
+        last blocks the next step offers to it."""
+        return self.has_unfinished_requests() or (
+            self.connector is not None and bool(self.finished_req_ids)
+        )
 
     @property
     def num_running(self) -> int:

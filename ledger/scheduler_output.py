@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic
+from typing import TYPE_CHECKING, Generic
 
 import msgspec
 
 from ledger.block_pool import Eviction
 from ledger.request import P, Request
+
+if TYPE_CHECKING:
+    from ledger.offloading.base import ConnectorMeta
 
 
 @dataclass(slots=True)
@@ -50,6 +53,7 @@ class Admission:
     num_new_blocks: int
     num_free_blocks_after: int
     watermark_applied: bool
+    num_loaded_tokens: int = 0  # of its computed tokens, those the CPU tier loaded
 
 
 @dataclass(slots=True)
@@ -88,6 +92,14 @@ class SchedulerOutput(Generic[P]):
     preemptions: list[Preemption] = field(default_factory=list)
     evictions: dict[str, list[Eviction]] = field(default_factory=dict)
     waiting_held: WaitingHeld | None = None  # None when nobody is left waiting
+    # The CPU tier's copies for the workers (only with the offloading connector): loads before
+    # the step's forward pass, stores after it (flushed ones before).
+    kv_transfers: ConnectorMeta | None = None
+
+    @property
+    def has_transfers(self) -> bool:
+        meta = self.kv_transfers
+        return meta is not None and bool(meta.load_jobs or meta.store_jobs)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

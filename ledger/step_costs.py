@@ -56,9 +56,27 @@ class StepCostEstimator:
         self._queue_weight = 0.0
         self.steps = 0
         self._estimate: StepCosts | None = None  # until the next observation
+        self._skip = 0  # steps still to leave out after `restart`
+
+    def restart(self, skip_steps: int = 0) -> None:
+        """Forget every step: the workers changed, and the old ones' speed says nothing of the
+        new ones'. The next `skip_steps` steps are left out too: a fresh worker's first forward
+        passes warm up (allocations, kernel selection) and can take seconds, which a fit of a
+        few dozen steps would read as a slow replica for minutes, and a router would stop
+        sending it the requests that could correct it. The queue wait is kept: it is the
+        replica's, not its workers'."""
+        self._xx = [0.0] * 6
+        self._xy = [0.0] * 3
+        self._prefill_weight = self._decode_weight = 0.0
+        self.steps = 0
+        self._skip = skip_steps
+        self._estimate = None
 
     def observe_step(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
         if seconds <= 0 or (prefill_tokens <= 0 and decode_seqs <= 0):
+            return
+        if self._skip:
+            self._skip -= 1
             return
         k = self._keep
         p, d = prefill_tokens / 1000.0, decode_seqs / 100.0

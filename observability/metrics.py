@@ -162,6 +162,30 @@ class LedgerMetrics:
             "kvledger:routed_hit_shortfall_tokens",
             "Cached tokens routers expected and admissions did not find.",
         )
+        # The CPU tier (--kv-offloading-size): vLLM's connector lookups, in tokens, then ours.
+        self._external_queries = self._counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in "
+            "terms of number of queried tokens.",
+        )
+        self._external_hits = self._counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in "
+            "terms of number of cached tokens.",
+        )
+        self._tier_loaded = self._counter(
+            "kvledger:cpu_tier_loaded_blocks",
+            "KV blocks loaded from the CPU tier into the GPU cache instead of being computed.",
+        )
+        self._tier_stored = self._counter(
+            "kvledger:cpu_tier_stored_blocks",
+            "KV blocks stored from the GPU cache into the CPU tier.",
+        )
+        self._prompt_computed = self._counter(
+            "kvledger:prompt_tokens_computed",
+            "Prompt positions the workers computed (those a prefix-cache hit or a CPU-tier load "
+            "provided are not; a preempted request's are again).",
+        )
         self._failed_requests = Counter(
             "kvledger:failed_requests",
             "Requests failed because a worker step failed with them: named by the worker "
@@ -192,6 +216,18 @@ class LedgerMetrics:
         """One prefix-cache lookup, in tokens as vLLM counts them."""
         self._counters["vllm:prefix_cache_queries"].inc(queried_tokens)
         self._counters["vllm:prefix_cache_hits"].inc(hit_tokens)
+
+    def record_external_prefix_cache(self, *, queried_tokens: int, hit_tokens: int) -> None:
+        """The CPU tier's lookups past the GPU hits, in tokens as vLLM counts them."""
+        self._external_queries.inc(queried_tokens)
+        self._external_hits.inc(hit_tokens)
+
+    def record_cpu_tier(self, *, loaded_blocks: int, stored_blocks: int) -> None:
+        self._tier_loaded.inc(loaded_blocks)
+        self._tier_stored.inc(stored_blocks)
+
+    def record_prompt_tokens_computed(self, count: int) -> None:
+        self._prompt_computed.inc(count)
 
     def record_preemptions(self, count: int = 1) -> None:
         self._counters["vllm:num_preemptions"].inc(count)

@@ -101,18 +101,49 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     """The repeated KeyValue field `tag` of a message."""
     if not attributes:
         return b""
-    parts = []
+    parts: list[bytes] = []
+    append = parts.append
+    pair_cache, key_cache, varints = _pair_cache, _key_cache, _VARINTS
     for key, value in attributes.items():
         kind = type(value)
-        if kind is bool or (kind is int and 0 <= value < _SMALL):
+        if kind is str:  # the common case, written out
+            encoded_key = key_cache.get(key)
+            if encoded_key is None:
+                encoded_key = key_cache[key] = _string(b"\x0a", key)
+            data = value.encode("utf-8")
+            size = len(data)
+            if size < 0x7E:  # the AnyValue and its field fit one-byte lengths
+                pair = encoded_key + b"\x12" + varints[size + 2] + b"\x0a" + varints[size] + data
+                append(tag + _varint(len(pair)) + pair)
+                continue
+        elif kind is bool or (kind is int and 0 <= value < _SMALL):
             cache_key = (tag, key, kind is bool, value)
-            cached = _pair_cache.get(cache_key)
+            cached = pair_cache.get(cache_key)
             if cached is None:
-                cached = _pair_cache[cache_key] = _length_delimited(tag, _key_value(key, value))
-            parts.append(cached)
-        else:
-            parts.append(_length_delimited(tag, _key_value(key, value)))
+                cached = pair_cache[cache_key] = _length_delimited(tag, _key_value(key, value))
+            append(cached)
+            continue
+        elif kind is float or kind is int:  # written out too: counts, times, latencies
+            encoded_key = key_cache.get(key)
+            if encoded_key is None:
+                encoded_key = key_cache[key] = _string(b"\x0a", key)
+            if kind is float:
+                pair = encoded_key + b"\x12\x09\x21" + _pack_double(value)
+            else:
+                number = _varint(value)  # negatives: two's complement, as int64
+                pair = encoded_key + b"\x12" + varints[len(number) + 1] + b"\x18" + number
+            append(tag + _varint(len(pair)) + pair)
+            continue
+        append(_length_delimited(tag, _key_value(key, value)))
     return b"".join(parts)
+
+
+def _dropped(container: Any) -> int:
+    """What the SDK's bounded containers counted as dropped (plain ones drop nothing)."""
+    kind = type(container)
+    if kind is dict or kind is list or kind is tuple or container is None:
+        return 0
+    return getattr(container, "dropped", 0)
 
 
 def _flags(parent: SpanContext | None) -> bytes:
@@ -122,58 +153,99 @@ def _flags(parent: SpanContext | None) -> bytes:
     return _pack_fixed32(flags)
 
 
+_SPAN_FLAGS_LOCAL = b"\x85\x01" + _flags(None)  # Span.flags of a root or a local parent
+_SPAN_FLAGS_REMOTE = b"\x85\x01" + _pack_fixed32(_FLAGS_HAS_IS_REMOTE | _FLAGS_IS_REMOTE)
+_LINK_FLAGS_LOCAL = b"\x35" + _flags(None)
+_LINK_FLAGS_REMOTE = b"\x35" + _pack_fixed32(_FLAGS_HAS_IS_REMOTE | _FLAGS_IS_REMOTE)
+_UNSET_STATUS = b"\x7a\x00"  # an empty Status message
+_name_cache: dict[str, bytes] = {}  # span name -> its Span.name field (names repeat; bounded)
+_kind_cache: dict[Any, bytes] = {}  # SDK SpanKind -> the Span.kind field
+
+
 def _trace_state(context: SpanContext) -> str:
     state = context.trace_state
     return ",".join(f"{k}={v}" for k, v in state.items()) if state else ""
 
 
 def encode_span(span: ReadableSpan) -> bytes:
-    """One Span message (trace.proto's field numbers, in order)."""
-    context = span.get_span_context()
+    """One Span message (trace.proto's field numbers, in order).
+
+    Reads a ReadableSpan's fields directly (its properties copy the events and links into
+    tuples and wrap the attributes on every read); anything else through its properties."""
+    if type(span) is ReadableSpan:
+        context, parent, name, kind = span._context, span._parent, span._name, span._kind
+        attributes, events, links = span._attributes, span._events, span._links
+        start, end, status = span._start_time, span._end_time, span._status
+    else:
+        context, parent, name, kind = span.get_span_context(), span.parent, span.name, span.kind
+        attributes, events, links = span.attributes, span.events, span.links
+        start, end, status = span.start_time, span.end_time, span.status
     assert context is not None
     parts = [
         b"\x0a\x10" + context.trace_id.to_bytes(16, "big"),
         b"\x12\x08" + context.span_id.to_bytes(8, "big"),
     ]
-    state = _trace_state(context)
-    if state:
-        parts.append(_string(b"\x1a", state))
-    if span.parent is not None:
-        parts.append(b"\x22\x08" + span.parent.span_id.to_bytes(8, "big"))
-    parts.append(_string(b"\x2a", span.name))
-    parts.append(b"\x30" + _varint(_KINDS[span.kind.value]))
-    parts.append(b"\x39" + _pack_fixed64(span.start_time or 0))
-    parts.append(b"\x41" + _pack_fixed64(span.end_time or 0))
-    parts.append(_attributes(b"\x4a", span.attributes))
-    if span.dropped_attributes:
-        parts.append(b"\x50" + _varint(span.dropped_attributes))
-    for event in span.events:
-        body = b"\x09" + _pack_fixed64(event.timestamp) + _string(b"\x12", event.name)
-        body += _attributes(b"\x1a", event.attributes)
-        if event.dropped_attributes:
-            body += b"\x20" + _varint(event.dropped_attributes)
-        parts.append(_length_delimited(b"\x5a", body))
-    if span.dropped_events:
-        parts.append(b"\x60" + _varint(span.dropped_events))
-    for link in span.links:
-        link_context = link.context
-        body = b"\x0a\x10" + link_context.trace_id.to_bytes(16, "big")
-        body += b"\x12\x08" + link_context.span_id.to_bytes(8, "big")
-        body += _attributes(b"\x22", link.attributes)
-        if link.dropped_attributes:
-            body += b"\x28" + _varint(link.dropped_attributes)
-        body += b"\x35" + _flags(link_context)
-        parts.append(_length_delimited(b"\x6a", body))
-    if span.dropped_links:
-        parts.append(b"\x70" + _varint(span.dropped_links))
-    status = span.status
-    status_body = b""
-    if status.description:
-        status_body += _string(b"\x12", status.description)
-    if status.status_code.value:
-        status_body += b"\x18" + _varint(status.status_code.value)
-    parts.append(_length_delimited(b"\x7a", status_body))
-    parts.append(b"\x85\x01" + _flags(span.parent))
+    if context.trace_state:
+        parts.append(_string(b"\x1a", _trace_state(context)))
+    if parent is not None:
+        parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
+    name_field = _name_cache.get(name)
+    if name_field is None:
+        name_field = _string(b"\x2a", name)
+        if len(_name_cache) < 4096:
+            _name_cache[name] = name_field
+    parts.append(name_field)
+    kind_field = _kind_cache.get(kind)
+    if kind_field is None:
+        kind_field = _kind_cache[kind] = b"\x30" + _varint(_KINDS[kind.value])
+    parts.append(kind_field)
+    parts.append(b"\x39" + _pack_fixed64(start or 0))
+    parts.append(b"\x41" + _pack_fixed64(end or 0))
+    if attributes:
+        parts.append(_attributes(b"\x4a", attributes))
+        dropped = _dropped(attributes)
+        if dropped:
+            parts.append(b"\x50" + _varint(dropped))
+    if events:
+        for event in events:
+            body = b"\x09" + _pack_fixed64(event.timestamp) + _string(b"\x12", event.name)
+            event_attributes = event.attributes
+            body += _attributes(b"\x1a", event_attributes)
+            dropped = _dropped(event_attributes)
+            if dropped:
+                body += b"\x20" + _varint(dropped)
+            parts.append(_length_delimited(b"\x5a", body))
+        dropped = _dropped(events)
+        if dropped:
+            parts.append(b"\x60" + _varint(dropped))
+    if links:
+        for link in links:
+            link_context = link.context
+            body = b"\x0a\x10" + link_context.trace_id.to_bytes(16, "big")
+            body += b"\x12\x08" + link_context.span_id.to_bytes(8, "big")
+            link_attributes = link.attributes
+            body += _attributes(b"\x22", link_attributes)
+            dropped = _dropped(link_attributes)
+            if dropped:
+                body += b"\x28" + _varint(dropped)
+            body += _LINK_FLAGS_REMOTE if link_context.is_remote else _LINK_FLAGS_LOCAL
+            parts.append(_length_delimited(b"\x6a", body))
+        dropped = _dropped(links)
+        if dropped:
+            parts.append(b"\x70" + _varint(dropped))
+    code = status.status_code.value
+    if code == 0 and not status.description:
+        parts.append(_UNSET_STATUS)
+    else:
+        status_body = b""
+        if status.description:
+            status_body += _string(b"\x12", status.description)
+        if code:
+            status_body += b"\x18" + _varint(code)
+        parts.append(_length_delimited(b"\x7a", status_body))
+    parts.append(
+        _SPAN_FLAGS_REMOTE if parent is not None and parent.is_remote else _SPAN_FLAGS_LOCAL
+    )
     return b"".join(parts)
 
 
@@ -182,20 +254,17 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
     (by identity: a provider's spans share one Resource object)."""
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
     for span in spans:
-        resource, scope = span.resource, span.instrumentation_scope
+        if type(span) is ReadableSpan:
+            resource, scope = span._resource, span._instrumentation_scope
+        else:
+            resource, scope = span.resource, span.instrumentation_scope
         scopes = groups.setdefault(id(resource), (resource, {}))[1]
         scopes.setdefault(id(scope), (scope, []))[1].append(encode_span(span))
     request = []
     for resource, scopes in groups.values():
-        body = _length_delimited(b"\x0a", _attributes(b"\x0a", resource.attributes))
+        body = _resource_field(resource)
         for scope, encoded in scopes.values():
-            scope_body = b""
-            if scope is not None:
-                scope_body = _string(b"\x0a", scope.name) if scope.name else b""
-                if scope.version:
-                    scope_body += _string(b"\x12", scope.version)
-                scope_body += _attributes(b"\x1a", scope.attributes)
-            scope_spans = _length_delimited(b"\x0a", scope_body)
+            scope_spans = _scope_field(scope)
             scope_spans += b"".join(_length_delimited(b"\x12", s) for s in encoded)
             if scope is not None and scope.schema_url:
                 scope_spans += _string(b"\x1a", scope.schema_url)
@@ -204,6 +273,40 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> bytes:
             body += _string(b"\x1a", resource.schema_url)
         request.append(_length_delimited(b"\x0a", body))
     return b"".join(request)
+
+
+# Resources and scopes are immutable and few (one a provider, one a tracer): each is encoded
+# once. Keyed by identity, the object kept beside its bytes so that its id is never reused.
+_resource_fields: dict[int, tuple[Any, bytes]] = {}
+_scope_fields: dict[int, tuple[Any, bytes]] = {}
+_MAX_CACHED = 256
+
+
+def _resource_field(resource: Any) -> bytes:
+    cached = _resource_fields.get(id(resource))
+    if cached is not None and cached[0] is resource:
+        return cached[1]
+    field = _length_delimited(b"\x0a", _attributes(b"\x0a", resource.attributes))
+    if len(_resource_fields) < _MAX_CACHED:
+        _resource_fields[id(resource)] = (resource, field)
+    return field
+
+
+def _scope_field(scope: Any) -> bytes:
+    """ScopeSpans.scope (an InstrumentationScope message, empty for None)."""
+    cached = _scope_fields.get(id(scope))
+    if cached is not None and cached[0] is scope:
+        return cached[1]
+    body = b""
+    if scope is not None:
+        body = _string(b"\x0a", scope.name) if scope.name else b""
+        if scope.version:
+            body += _string(b"\x12", scope.version)
+        body += _attributes(b"\x1a", scope.attributes)
+    field = _length_delimited(b"\x0a", body)
+    if len(_scope_fields) < _MAX_CACHED:
+        _scope_fields[id(scope)] = (scope, field)
+    return field
 
 
 def fast_otlp_http_exporter(endpoint: str) -> Any:
@@ -224,4 +327,12 @@ def fast_otlp_http_exporter(endpoint: str) -> Any:
             result = client.export(data)
             return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
 
+    from observability.otlp_http import exporter_kwargs
+
+    kwargs = exporter_kwargs(endpoint)
+    if kwargs:
+        try:
+            return FastOTLPSpanExporter(endpoint=endpoint, **kwargs)
+        except TypeError:  # an SDK without the transport parameter
+            pass
     return FastOTLPSpanExporter(endpoint=endpoint)

@@ -11,11 +11,11 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 from opentelemetry import context as context_api
@@ -263,11 +263,25 @@ def setup_tracing(
 
 
 def get_tracer(service_name: str, instrumentation: str = "kvledger") -> Tracer:
-    """The tracer of `service_name`'s provider, or the global (no-op when off) tracer."""
+    """The tracer of `service_name`'s provider (its spans lean: `observability.lean_spans`), or
+    the global (no-op when off) tracer."""
     provider = _providers.get(_settings.service_name or service_name)
     if provider is None:
         return trace.get_tracer(instrumentation)
-    return provider.get_tracer(instrumentation, _version())
+    return lean_tracer(provider.get_tracer(instrumentation, _version()))
+
+
+_TracerT = TypeVar("_TracerT", bound="Tracer | None")
+
+
+def lean_tracer(tracer: _TracerT) -> _TracerT:
+    """An SDK tracer's spans made lean (`observability.lean_spans`: same spans, a fraction of the
+    CPU); any other tracer, or None, as it is. The SDK is imported only if the tracer is its."""
+    if tracer is None or not type(tracer).__module__.startswith("opentelemetry.sdk."):
+        return tracer
+    from observability.lean_spans import lean_tracer as make_lean
+
+    return make_lean(tracer)
 
 
 def detailed_traces() -> bool:
@@ -388,27 +402,48 @@ def kvledger_sampler(name: str | None = None, arg: str | None = None) -> Sampler
         "traceidratio": sampling.TraceIdRatioBased(ratio),
     }[name.removeprefix("parentbased_")]
     base = sampling.ParentBased(root) if name.startswith("parentbased_") else root
-    return _keep_linked_roots(base)
+    parent_based = name.startswith("parentbased_")
+    return _keep_linked_roots(base, name.removeprefix("parentbased_"), ratio, parent_based)
 
 
-def _keep_linked_roots(base: Sampler) -> Sampler:
+def _keep_linked_roots(base: Sampler, root: str, ratio: float, parent_based: bool) -> Sampler:
+    """`base` (the SDK's samplers, for their description) with the rule for batches, deciding
+    as `base` would without building the SDK's result objects: `decide` is what
+    observability.lean_spans asks, `should_sample` what the SDK's tracer asks."""
     from opentelemetry.sdk.trace import sampling
 
+    limit = sampling.TraceIdRatioBased.TRACE_ID_LIMIT
+    bound = sampling.TraceIdRatioBased.get_bound_for_rate(ratio)
+    always = {"always_on": True, "always_off": False}.get(root)
+
     class KeepLinkedRoots(sampling.Sampler):
+        def decide(
+            self, parent: SpanContext | None, trace_id: int, attributes=None, links=None
+        ) -> bool:
+            """Sampled or dropped; `parent` is None for a root (or an invalid parent)."""
+            if parent is None:
+                if (attributes and attributes.get(Attr.NUM_TRACED_REQUESTS)) or (
+                    links and any(link.context.trace_flags.sampled for link in links)
+                ):
+                    return True
+            elif parent_based:
+                return parent.trace_flags.sampled
+            if always is not None:
+                return always
+            return trace_id & limit < bound
+
         def should_sample(
             self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
             trace_state=None,
         ):  # fmt: skip
-            if (
-                (attributes and attributes.get(Attr.NUM_TRACED_REQUESTS))
-                or (links and any(link.context.trace_flags.sampled for link in links))
-            ) and not trace.get_current_span(parent_context).get_span_context().is_valid:
+            parent = trace.get_current_span(parent_context).get_span_context()
+            valid = parent is not None and parent.is_valid
+            state = parent.trace_state if valid else None
+            if self.decide(parent if valid else None, trace_id, attributes, links):
                 return sampling.SamplingResult(
-                    sampling.Decision.RECORD_AND_SAMPLE, attributes, trace_state
+                    sampling.Decision.RECORD_AND_SAMPLE, attributes, state
                 )
-            return base.should_sample(
-                parent_context, trace_id, name, kind, attributes, links, trace_state
-            )
+            return sampling.SamplingResult(sampling.Decision.DROP, None, state)
 
         def get_description(self) -> str:
             return f"KeepLinkedRoots{{{base.get_description()}}}"
@@ -482,6 +517,18 @@ def extract_context(traceparent: str | bytes | None) -> Context:
     if span_context is None:
         return Context()
     return trace.set_span_in_context(NonRecordingSpan(span_context), Context())
+
+
+def never_sampled(traceparent: str | bytes | None) -> bool:
+    """True when a traceparent cannot name a sampled span (none, or the W3C form whose flags'
+    sampled bit is clear), found without parsing it: what a role that records only sampled
+    traces needs to know of the rest. False means: parse it (it may still be unsampled)."""
+    if traceparent is None:
+        return True
+    return type(traceparent) is str and len(traceparent) == 55 and traceparent[54] not in _ODD_HEX
+
+
+_ODD_HEX = frozenset("13579bdfBDF")
 
 
 def span_context_from_traceparent(traceparent: str | bytes | None) -> SpanContext | None:
@@ -567,6 +614,36 @@ def record_span(
     )
     span.end(end_time=max(start_ns, end_ns if end_ns is not None else time.time_ns()))
     return span
+
+
+def record_root_span(
+    tracer: Tracer,
+    name: str,
+    *,
+    kind: SpanKind,
+    start_ns: int,
+    end_ns: int,
+    links: Sequence[Link],
+    sampling_attributes: Attributes,
+    attributes: Callable[[], Attributes],
+) -> SpanContext | None:
+    """A root span that happened (a worker's step), made and ended at once; its context when
+    the sampler kept it, else None. The sampler reads `sampling_attributes`; `attributes()`
+    (which include them) is built only for a span kept. A lean tracer hands it to the
+    processors in one go (`LeanTracer.record_root`)."""
+    record = getattr(tracer, "record_root", None)
+    if record is not None:
+        made, context = record(name, kind, start_ns, end_ns, links, sampling_attributes, attributes)
+        if made:
+            return context
+    span = tracer.start_span(
+        name, kind=kind, start_time=start_ns, links=links, attributes=sampling_attributes
+    )
+    if not span.is_recording():
+        return None
+    span.set_attributes(attributes())
+    span.end(end_time=end_ns)
+    return span.get_span_context()
 
 
 def format_block_hashes(block_hashes: Iterable[int | bytes]) -> list[str]:

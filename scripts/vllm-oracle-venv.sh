@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes (or reuses) a CPU-only virtual environment holding vLLM 0.33.0's KV-cache manager, block
-# pool, KV-event structs and scheduler: the oracle of tests/oracle and benchmarks/ledger_ops.py.
+# pool, KV-event structs, scheduler and the OffloadingConnector's scheduler side (its CPU manager
+# and policies): the oracle of tests/oracle and benchmarks/ledger_ops.py.
 # vLLM's CUDA dependency tree is skipped: only what those modules import is installed.
 #
 # Usage: bash scripts/vllm-oracle-venv.sh DIR    (about 3 minutes the first time; prints OK)
@@ -9,7 +10,9 @@
 set -euo pipefail
 V=${1:?usage: vllm-oracle-venv.sh DIR}
 PROBE="import vllm.v1.core.kv_cache_manager, vllm.v1.core.block_pool, vllm.distributed.kv_events, \
-vllm.v1.request, vllm.v1.core.sched.scheduler, vllm.v1.core.sched.async_scheduler; import vllm; \
+vllm.v1.request, vllm.v1.core.sched.scheduler, vllm.v1.core.sched.async_scheduler, \
+vllm.v1.kv_offload.cpu.manager, vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler; \
+import vllm; \
 assert vllm.__version__.startswith('0.33.'), vllm.__version__; print('OK vllm', vllm.__version__)"
 
 probe() { [ -x "$V/bin/python" ] && VLLM_TARGET_DEVICE=cpu "$V/bin/python" -c "$PROBE" 2>/dev/null | tail -1; }

@@ -311,6 +311,145 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
     return config
 
 
+# The CPU tier: vLLM 0.33's OffloadingConnector with its CPU backend, configured as vLLM is.
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+EVICTION_POLICIES = ("lru", "arc")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class OffloadingConfig:
+    """The CPU tier the ledger books (`ledger/offloading`): vLLM 0.33's OffloadingConnector with
+    its CPU backend in the one configuration kvledger runs (one chunk per GPU block, the CPU
+    spec). `cpu_bytes_to_use` is summed over a replica's workers, as vLLM's; the ledger turns
+    it into chunks once the workers report their bytes per block (`num_cpu_chunks`)."""
+
+    cpu_bytes_to_use: int
+    eviction_policy: str = "lru"
+    store_threshold: int = 0  # >= 2: a block is stored once offered that many times
+    max_tracker_size: int = 64_000
+    offload_prompt_only: bool = True
+
+
+# kv_connector_extra_config keys kvledger honours: name -> (JSON types, what else it must be).
+_EXTRA_TYPES: dict[str, tuple[type, ...]] = {
+    "cpu_bytes_to_use": (int, float),
+    "eviction_policy": (str,),
+    "store_threshold": (int,),
+    "max_tracker_size": (int,),
+    "offload_prompt_only": (bool,),
+    "block_size": (int,),
+    "blocks_per_chunk": (int,),
+    "spec_name": (str,),
+}
+_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config", "engine_id")
+
+
+def parse_kv_transfer_config(text: str) -> dict[str, Any]:
+    """`--kv-transfer-config`'s JSON, vLLM's KVTransferConfig shape, checked: only the
+    OffloadingConnector (kv_role kv_both) with the extra config keys of its CPU backend that
+    kvledger runs. Returns the extra config; anything else is refused naming the field."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON object of vLLM's KVTransferConfig keys, got {type(raw).__name__}")
+    for key in raw:
+        if key not in _TRANSFER_KEYS:
+            raise ValueError(
+                f"field {key!r} is not supported (kvledger takes {', '.join(_TRANSFER_KEYS)})"
+            )
+    if raw.get("kv_connector") != OFFLOADING_CONNECTOR:
+        raise ValueError(
+            f"field 'kv_connector': {json.dumps(raw.get('kv_connector'))} is not supported: "
+            f"kvledger runs vLLM's {OFFLOADING_CONNECTOR!r} (the CPU tier) only"
+        )
+    if raw.get("kv_role", "kv_both") != "kv_both":
+        raise ValueError(
+            f"field 'kv_role': {json.dumps(raw['kv_role'])}: the OffloadingConnector is 'kv_both'"
+        )
+    if not isinstance(raw.get("engine_id", ""), str):
+        raise ValueError(
+            f"field 'engine_id': expected a string, got {json.dumps(raw['engine_id'])}"
+        )
+    extra = raw.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"field 'kv_connector_extra_config': expected an object, got {json.dumps(extra)}"
+        )
+    for key, value in extra.items():
+        field_name = f"kv_connector_extra_config.{key}"
+        types = _EXTRA_TYPES.get(key)
+        if types is None:
+            raise ValueError(
+                f"field {field_name!r} is not supported (kvledger takes {', '.join(_EXTRA_TYPES)})"
+            )
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            wanted = " or ".join(t.__name__ for t in types)
+            raise ValueError(f"field {field_name!r}: expected {wanted}, got {json.dumps(value)}")
+    policy = extra.get("eviction_policy", "lru")
+    if policy not in EVICTION_POLICIES:
+        raise ValueError(
+            f"field 'kv_connector_extra_config.eviction_policy': {policy!r}: use "
+            f"{' or '.join(EVICTION_POLICIES)}"
+        )
+    if extra.get("spec_name", "CPUOffloadingSpec") != "CPUOffloadingSpec":
+        raise ValueError(
+            f"field 'kv_connector_extra_config.spec_name': {extra['spec_name']!r}: kvledger runs "
+            "the CPU backend ('CPUOffloadingSpec') only"
+        )
+    if extra.get("blocks_per_chunk", 1) != 1:
+        raise ValueError(
+            f"field 'kv_connector_extra_config.blocks_per_chunk': {extra['blocks_per_chunk']}: "
+            "kvledger offloads one GPU block per chunk (1)"
+        )
+    for key in ("cpu_bytes_to_use", "max_tracker_size"):
+        if key in extra and extra[key] <= 0:
+            raise ValueError(f"field 'kv_connector_extra_config.{key}': must be positive")
+    if extra.get("store_threshold", 0) < 0:
+        raise ValueError("field 'kv_connector_extra_config.store_threshold': must be >= 0")
+    return dict(extra)
+
+
+def parse_offloading_size(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"{text!r}: a size in GiB greater than 0")
+    return value
+
+
+def offloading_config(
+    kv_offloading_size: float | None, extra: dict[str, Any] | None, block_size: int
+) -> OffloadingConfig | None:
+    """The CPU tier from vLLM's two ways to ask for it: --kv-offloading-size GiB (it sets
+    cpu_bytes_to_use, over any in the JSON, as vLLM does) and --kv-transfer-config; None when
+    neither is given (the tier is off)."""
+    if kv_offloading_size is None and extra is None:
+        return None
+    extra = dict(extra or {})
+    if kv_offloading_size is not None:
+        extra["cpu_bytes_to_use"] = kv_offloading_size * GIB
+    if not extra.get("cpu_bytes_to_use"):
+        raise ConfigError(
+            "--kv-transfer-config: field 'kv_connector_extra_config.cpu_bytes_to_use' must be "
+            "given, or the size with --kv-offloading-size GiB (as vLLM requires)"
+        )
+    if extra.get("block_size", block_size) != block_size:
+        raise ConfigError(
+            f"--kv-transfer-config: field 'kv_connector_extra_config.block_size' "
+            f"({extra['block_size']}) must equal the GPU block size ({block_size}): kvledger "
+            "offloads one GPU block per chunk"
+        )
+    return OffloadingConfig(
+        cpu_bytes_to_use=int(extra["cpu_bytes_to_use"]),
+        eviction_policy=extra.get("eviction_policy", "lru"),
+        store_threshold=int(extra.get("store_threshold", 0)),
+        max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
+        offload_prompt_only=bool(extra.get("offload_prompt_only", True)),
+    )
+
+
 def offset_endpoint(endpoint: str, index: int) -> str:
     """A ZMQ endpoint moved by `index` (see KVEventsConfig.offset)."""
     if index == 0:
@@ -439,6 +578,35 @@ class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
         parse_kv_events_config,
         flags=("--kv-events-config",),
     )
+    kv_offloading_size: float | None = _opt(
+        "KVLEDGER_KV_OFFLOADING_SIZE",
+        None,
+        "a CPU tier of this many GiB (summed over the replica's workers) that full prompt "
+        "blocks are offloaded to and loaded back from instead of recomputed, as vLLM 0.33's "
+        "--kv-offloading-size (its OffloadingConnector); unset: no CPU tier",
+        parse_offloading_size,
+        flags=("--kv-offloading-size",),
+    )
+    kv_transfer_config: dict[str, Any] | None = _opt(  # noqa: RUF009 (None)
+        "KVLEDGER_KV_TRANSFER_CONFIG",
+        None,
+        "vLLM's KV-transfer JSON for the CPU tier, e.g. '{\"kv_connector\": "
+        '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+        '{"eviction_policy": "arc", "cpu_bytes_to_use": 4294967296}}\' (extra config keys: '
+        "cpu_bytes_to_use, eviction_policy lru or arc, store_threshold, max_tracker_size, "
+        "offload_prompt_only; --kv-offloading-size sets cpu_bytes_to_use)",
+        parse_kv_transfer_config,
+        flags=("--kv-transfer-config",),
+    )
+
+    # The CPU tier both of those ask for (None: off), made from them when the config is built.
+    offloading: OffloadingConfig | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # Checked once, at start-up: a tier that cannot be built stops the ledger with the field.
+        self.offloading = offloading_config(
+            self.kv_offloading_size, self.kv_transfer_config, self.block_size
+        )
 
 
 @dataclass

@@ -52,6 +52,8 @@ ENV_VARS: dict[str, str] = {
     "KVLEDGER_WORKER_ID": "this worker's id (default: host name and pid)",
     "KVLEDGER_KV_EVENTS_MAX_MB": "Redis memory the KV-events stream may take, in MB (default 256)",
     "KVLEDGER_KV_EVENTS_CONFIG": "vLLM's --kv-events-config JSON: also publish the KV events over ZMQ (unset: Redis only)",
+    "KVLEDGER_KV_OFFLOADING_SIZE": "ledger: GiB of CPU tier (vLLM's --kv-offloading-size) that prompt blocks are offloaded to and loaded back from (unset: no CPU tier)",
+    "KVLEDGER_KV_TRANSFER_CONFIG": "ledger: vLLM's --kv-transfer-config JSON for the CPU tier (OffloadingConnector, eviction_policy lru or arc; unset: no CPU tier)",
     "KVLEDGER_BRIDGE_ENDPOINT": "kvledger bridge: the vLLM server's KV-events PUB endpoint to follow, e.g. tcp://vllm-host:5557",
     "KVLEDGER_BRIDGE_REPLAY_ENDPOINT": "kvledger bridge: the vLLM server's KV-events replay endpoint, e.g. tcp://vllm-host:5558",
     "KVLEDGER_METRICS_HOST": "address of the ledger's /metrics and /health (default 127.0.0.1; 0.0.0.0: every interface)",

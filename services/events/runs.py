@@ -8,6 +8,10 @@ scan. So the ledger adds, in the same XADD, a msgpack array of runs `[kind, [has
 run the block hashes of consecutive events of one kind. Applying the runs in order is applying
 the events in order. `batch` stays the record: an entry without `hashes` (an older ledger,
 another publisher) or whose `hashes` does not parse is read from `batch`.
+
+The index is of the GPU's blocks: events of another medium (the CPU tier's, vLLM's `medium`
+"CPU") are in `batch` for those who follow the tiers, and left out of the runs, as every reader
+of `batch` here leaves them out (`indexed`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Literal, cast
 
 import msgspec
 
-from ledger.events import AllBlocksCleared, AnyKVCacheEvent, BlockRemoved, BlockStored
+from ledger.events import MEDIUM_GPU, AllBlocksCleared, AnyKVCacheEvent, BlockRemoved, BlockStored
 from services.events.snapshot import CLEARED, REMOVED, STORED, OpLog
 
 HASHES_FIELD = b"hashes"
@@ -27,6 +31,13 @@ HASHES_FIELD = b"hashes"
 SEQ_FIELD = b"seq"
 
 Run = tuple[int, list[int]]
+
+
+def indexed(medium: str | None) -> bool:
+    """Whether a block event of this medium changes the prefix index: the GPU's (None is vLLM's
+    unset medium, the GPU's before it named one)."""
+    return medium is None or medium == MEDIUM_GPU
+
 
 _ENCODER = msgspec.msgpack.Encoder()
 # Kinds outside 0-2 or hashes that are not ints are refused here, in C, like any malformed value.
@@ -76,6 +87,8 @@ def batch_runs(events: list[AnyKVCacheEvent]) -> list[Run]:
     kind = -1
     hashes: list[int] = []
     for event in events:
+        if not isinstance(event, AllBlocksCleared) and not indexed(event.medium):
+            continue
         if type(event) is BlockStored:
             if kind != STORED:
                 kind, hashes = STORED, []

@@ -38,6 +38,7 @@ from services.events.runs import (
     apply_runs,
     count_into,
     decode_runs,
+    indexed,
     remove_from,
 )
 from services.events.snapshot import (
@@ -65,8 +66,10 @@ def _hashes_only(cls: Any) -> Any:
     names = cls.__struct_fields__
     required = len(names) - len(cls.__struct_defaults__)
     fields: list = [("block_hashes", list[int])] if "block_hashes" in names else []
+    if "medium" in names:  # required in both events: only the GPU's blocks are indexed
+        fields.append(("medium", str | None))
     for position, name in enumerate(names):
-        if name != "block_hashes":
+        if name not in ("block_hashes", "medium"):
             raw = (name, msgspec.Raw) if position < required else (name, msgspec.Raw, msgspec.Raw())
             fields.append(raw)
     return msgspec.defstruct(f"_{cls.__name__}Hashes", fields, tag=cls.__name__,
@@ -114,6 +117,8 @@ def batch_hash_runs(data: bytes) -> list[Run]:
     kind_of = _KIND_OF
     for event in events:
         kind = kind_of[type(event)]
+        if kind != CLEARED and not indexed(event.medium):
+            continue
         if kind != last or kind == CLEARED:
             current = []
             runs.append((kind, current))
@@ -133,6 +138,8 @@ class PrefixIndex:
         """Apply one batch; if `ops` is given, append the (kind, hashes) it applied to it."""
         counts = self.counts
         for event in batch.events:
+            if not isinstance(event, AllBlocksCleared) and not indexed(event.medium):
+                continue
             if isinstance(event, BlockStored):
                 # Only int hashes are ever held, so only they change the index.
                 stored = [h for h in event.block_hashes if isinstance(h, int)]
@@ -166,6 +173,8 @@ class PrefixIndex:
         counts = self.counts
         for event in events:
             kind = type(event)
+            if kind is not _Cleared and not indexed(event.medium):
+                continue
             if kind is _Stored:
                 count_into(counts, event.block_hashes)
                 if ops is not None:

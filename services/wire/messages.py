@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from services.wire.codec import Message, Record
 
 
@@ -126,6 +128,27 @@ class CachedRequestData(Record):
     traceparent: str | None = None  # unused: the worker keeps the one its NewRequestData carried
 
 
+class KVTransfer(Record, array_like=True):
+    """One copy between the worker's KV cache and its CPU tier: a load copies chunks `src` into
+    blocks `dst`, a store blocks `src` into chunks `dst`, pairwise (every layer, K and V)."""
+
+    job_id: int
+    src: list[int]
+    dst: list[int]
+
+
+class KVTransfers(Record, omit_defaults=True):
+    """The CPU tier's copies of one step (vLLM's OffloadingConnector metadata), in the order a
+    worker runs them: the stores named in `flush` first (their blocks are written this step),
+    then the loads, then the forward pass, then the other stores. Each is done by the time the
+    step's result goes out, which lists it in `transfers_done`."""
+
+    num_cpu_chunks: int  # the tier's size: the worker's host buffer holds this many blocks
+    loads: list[KVTransfer] = msgspec.field(default_factory=list)
+    stores: list[KVTransfer] = msgspec.field(default_factory=list)
+    flush: list[int] = msgspec.field(default_factory=list)  # store job ids
+
+
 class StepMessage(Message, tag="step"):
     """One scheduler step, as vLLM's SchedulerOutput: the workers run exactly this batch.
 
@@ -149,6 +172,7 @@ class StepMessage(Message, tag="step"):
     # The leader's fencing token (engine.leadership): workers drop steps whose token is
     # below the highest they have seen, so a deposed leader cannot step them.
     leader_token: int = 0
+    kv_transfers: KVTransfers | None = None  # the CPU tier's copies (None: none this step)
 
 
 class WorkerShutdown(Message, tag="worker_shutdown"):
@@ -188,6 +212,7 @@ class StepResult(Message, tag="result"):
     # Set with `error` when the step failed because of these requests alone (req_id -> why):
     # the ledger fails them and re-runs the others.
     failed_requests: dict[str, str] | None = None
+    transfers_done: list[int] | None = None  # the step's CPU-tier copies this worker finished
 
 
 class RequestOutput(Record, omit_defaults=True):

@@ -118,7 +118,9 @@ def test_a_killed_replica_is_scored_by_load_then_out_then_back_and_every_request
                 lambda: any(
                     r["replica"] == "r0" for r in gateway.records("routed")[-20:]
                 ) and _last_health(gateway) == "live",
-                120, "r0 never came back",  # a restarted worker loads torch and its model
+                120,  # a restarted worker loads torch and its model
+                lambda: f"r0 never came back: status {_status(client, 'r0')}, last routed "
+                f"{gateway.records('routed')[-3:]}, {victim} {procs[f'{victim}-r0'].lines[-15:]}",
             )  # fmt: skip
             time.sleep(2)
             stop.set()
@@ -181,8 +183,8 @@ def _last_health(gateway: ServiceProcess) -> str | None:
     return routed[-1]["healths"]["r0"] if routed else None
 
 
-def _wait_for(condition, timeout: float, why: str) -> None:
+def _wait_for(condition, timeout: float, why) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, why
+        assert time.monotonic() < deadline, why() if callable(why) else why
         time.sleep(0.2)

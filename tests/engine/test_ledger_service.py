@@ -145,10 +145,16 @@ async def test_a_worker_lost_mid_run_preempts_its_requests_which_then_complete(
         while min(len(stack.results[f"r{i}"].tokens) for i in range(3)) < 5:
             await asyncio.sleep(0.02)
         epoch_before = stack.ledger.epoch
+        measured_before = stack.ledger.step_costs.steps
+        steps_before = stack.ledger.scheduler.step_id
         await stack.kill_worker("w0")
         await asyncio.sleep(0.5)
         await stack.start_worker("w0")
         results = await stack.wait([f"r{i}" for i in range(3)], timeout=120)
+        # The routers' step costs describe the new worker alone, from after its warm-up steps.
+        assert measured_before >= 5
+        steps_since = stack.ledger.scheduler.step_id - steps_before
+        assert 0 < stack.ledger.step_costs.steps <= steps_since - stack.ledger.depth
         for i, prompt in enumerate(batch):
             assert results[f"r{i}"].tokens == dense_greedy(tiny_model, prompt, 60)
             assert results[f"r{i}"].final.num_preemptions >= 1

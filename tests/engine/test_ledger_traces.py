@@ -170,8 +170,10 @@ async def test_the_queue_span_says_what_held_it_back_and_survives_an_abort(redis
     await stack.start()
     try:
         batch = prompts(5, 20, seed=21)
-        for i, prompt in enumerate(batch[:4]):
-            await traced.submit(f"r{i}", prompt, 12)
+        # r0 ends long before r1, so r2 takes r0's seat while r3 still waits for r1's (ending
+        # together, they let r2 and r3 in at one step and r3 never waited at the head).
+        for i, (prompt, max_tokens) in enumerate(zip(batch[:4], (4, 24, 12, 12), strict=True)):
+            await traced.submit(f"r{i}", prompt, max_tokens)
         await traced.submit("gone", batch[4], 12)
         await stack.abort("gone")  # while two seats are taken and three wait before it
         await stack.wait(["r0", "r1", "r2", "r3", "gone"])

@@ -246,11 +246,11 @@ def wait_recovered(served: Served, expected: dict[int, str], timeout: float = 60
 
 @contextlib.contextmanager
 def fault_stack(
-    aof: bool = False, env: dict[str, str] | None = None
+    aof: bool = False, env: dict[str, str] | None = None, num_gpu_blocks: int = 256
 ) -> Iterator[tuple[Served, Redis]]:
     redis = Redis(aof).start()
     served = launch(
-        "tiny", num_gpu_blocks=256, max_model_len=128,
+        "tiny", num_gpu_blocks=num_gpu_blocks, max_model_len=128,
         env={"KVLEDGER_REDIS_URL": redis.url, "KVLEDGER_REQUEST_TIMEOUT": str(BOUND_S - 5),
              **(env or {})},
     )  # fmt: skip

@@ -125,3 +125,33 @@ def test_default_model_greedy_text_is_printable_and_prompt_dependent(tiny_model)
         assert all(c.isprintable() or c == "\n" for c in out)
         continuations.append(out)
     assert len(set(continuations)) == 3
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_compute_the_same_and_keep_the_checkpoint_names(bias):
+    cfg = {"architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"], **HF_LLAMA}
+    model = LlamaForCausalLM(ModelConfig.from_hf(cfg))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+    ids = [5, 17, 99, 3, 42, 7, 250]
+    before = model.dense_logits(ids)
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    model.fuse_projections()
+    attention = model.model.layers[0].self_attn
+    assert attention.qkv is not None and model.model.layers[0].mlp.gate_up is not None
+    assert (attention.qkv.bias is not None) == bias
+    after = model.dense_logits(ids)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert after[-1].argmax() == before[-1].argmax()
+    fused_state = model.state_dict()
+    assert list(fused_state) == list(state)  # Hugging Face's names, in their order
+    for name, tensor in state.items():
+        assert torch.equal(fused_state[name], tensor), name
+    # A load into a linear's weight after fusing writes through its view into the stack.
+    with torch.no_grad():
+        attention.k_proj.weight.zero_()
+    q_size = attention.q_proj.weight.shape[0]
+    k_size = attention.k_proj.weight.shape[0]
+    assert attention.qkv.weight[q_size : q_size + k_size].abs().sum() == 0

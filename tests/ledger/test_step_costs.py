@@ -48,6 +48,33 @@ def test_a_term_no_step_exercised_stays_unknown_and_a_negative_one_is_dropped() 
     assert StepCostEstimator().estimate().steps == 0
 
 
+def test_new_workers_are_measured_afresh_and_their_warm_up_steps_left_out() -> None:
+    # A replica whose worker was restarted: its old worker's steps, then the new worker's two
+    # warm-up steps (seconds each), then its steady steps at the old worker's speed.
+    estimator = StepCostEstimator()
+    for _ in range(200):
+        estimator.observe_step(128, 4, 0.004 + 128 / 20_000 + 4 * 0.001)
+    estimator.observe_queue_wait(0.5)
+    estimator.restart(skip_steps=2)
+    assert estimator.estimate().steps == 0 and estimator.estimate().prefill_tokens_per_s == 0.0
+    assert estimator.estimate().queue_wait_s == pytest.approx(0.5)  # the replica's, kept
+    estimator.observe_step(139, 0, 2.5)
+    estimator.observe_step(0, 1, 1.2)
+    assert estimator.estimate().steps == 0  # warm-up: not a measurement
+    for prefill, decode in [(139, 0), (0, 1), (139, 1), (278, 2)] * 8:
+        estimator.observe_step(prefill, decode, 0.004 + prefill / 20_000 + decode * 0.001)
+    costs = estimator.estimate()
+    assert costs.steps == 32
+    assert costs.prefill_tokens_per_s == pytest.approx(20_000, rel=0.01)
+    # Without the restart, the warm-up steps alone would price it ~30x slower per token.
+    unskipped = StepCostEstimator()
+    unskipped.observe_step(139, 0, 2.5)
+    unskipped.observe_step(0, 1, 1.2)
+    for prefill, decode in [(139, 0), (0, 1), (139, 1), (278, 2)] * 8:
+        unskipped.observe_step(prefill, decode, 0.004 + prefill / 20_000 + decode * 0.001)
+    assert unskipped.estimate().prefill_tokens_per_s < 20_000 / 3
+
+
 def test_the_queue_wait_is_a_mean_of_the_latest_waits() -> None:
     estimator = StepCostEstimator(queue_half_life=4)
     for _ in range(50):

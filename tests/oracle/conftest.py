@@ -81,20 +81,35 @@ def first_difference(ours: list[dict], theirs: list[dict], what: list[Any]) -> s
 
 
 def run_driver(
-    python: Path, driver: str, payload: dict[str, Any], workdir: Path, timeout: float = 900
+    python: Path,
+    driver: str,
+    payload: dict[str, Any],
+    workdir: Path,
+    timeout: float = 900,
+    *,
+    hash_seed: str | None = None,
+    args: tuple[str, ...] = (),
+    tag: str = "",
 ) -> dict:
-    """One subprocess for a whole batch of traces; vLLM's import costs seconds, not the ops."""
-    source, target = workdir / f"{driver}.in.json", workdir / f"{driver}.out.json"
+    """One subprocess for a whole batch of traces; vLLM's import costs seconds, not the ops.
+
+    `hash_seed` sets PYTHONHASHSEED for a driver whose results depend on the iteration order of
+    sets of str or bytes (as vLLM's offloading connector's do); `tag` names the files of a run.
+    """
+    name = f"{driver}{tag}"
+    source, target = workdir / f"{name}.in.json", workdir / f"{name}.out.json"
     source.write_text(json.dumps(payload))
     # vLLM reads PYTHONHASHSEED for NONE_HASH; the driver sets it per trace, never inherits it.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = hash_seed
     done = subprocess.run(
-        [str(python), str(HERE / f"{driver}.py"), str(source), str(target)],
+        [str(python), str(HERE / f"{driver}.py"), str(source), str(target), *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=timeout,
     )
     if done.returncode != 0:
-        raise AssertionError(f"{driver} failed in vLLM's venv:\n{done.stderr[-4000:]}")
+        raise AssertionError(f"{driver} failed in {python}:\n{done.stderr[-4000:]}")
     return json.loads(target.read_text())

@@ -34,6 +34,11 @@ def stored(*hashes: int) -> BlockStored:
     return BlockStored(list(hashes), None, list(range(16 * len(hashes))), 16, None, "GPU", None)
 
 
+def stored_on_cpu(block_hash: int) -> BlockStored:
+    """The CPU tier's BlockStored, as vLLM's OffloadingConnector publishes it."""
+    return BlockStored([block_hash], None, [], 0, None, "CPU", None, group_idx=0)
+
+
 def random_events(rng: random.Random, n: int) -> list:
     # Few distinct hashes, so that stores, removals of held and of unheld hashes and repeats
     # within one batch all occur.
@@ -42,6 +47,10 @@ def random_events(rng: random.Random, n: int) -> list:
         roll = rng.random()
         if roll < 0.03:
             events.append(AllBlocksCleared())
+        elif roll < 0.1:  # the CPU tier's: in the batch, out of the GPU's index
+            events.append(stored_on_cpu(rng.randrange(12)))
+        elif roll < 0.15:
+            events.append(BlockRemoved(rng.choices(range(12), k=2), "CPU", group_idx=0))
         elif roll < 0.5:
             events.append(stored(*rng.choices(range(12), k=rng.randint(1, 4))))
         else:
@@ -60,6 +69,17 @@ def test_runs_apply_what_the_events_do_in_their_order():
         assert by_runs.counts == by_events.counts
         # The checkpoint logs the same operations either way.
         assert pack_ops(runs_ops) == pack_ops(events_ops)
+
+
+def test_the_cpu_tiers_events_leave_the_gpu_index_alone():
+    events = [stored(1, 2), stored_on_cpu(3), BlockRemoved([1], "CPU", group_idx=0), stored(3)]
+    assert batch_runs(events) == [(STORED, [1, 2, 3])]
+    data = encode_batch(KVEventBatch(1.0, events))
+    assert batch_hash_runs(data) == batch_runs(events)
+    by_bytes, by_batch = PrefixIndex(), PrefixIndex()
+    by_bytes.apply_bytes(data)
+    by_batch.apply(decode_batch(data))
+    assert by_bytes.counts == by_batch.counts == {1: 1, 2: 1, 3: 1}
 
 
 def test_runs_merge_consecutive_events_of_a_kind_and_keep_clears_apart():

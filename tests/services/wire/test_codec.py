@@ -7,11 +7,14 @@ import pytest
 
 from services.wire.codec import WIRE_VERSION, WireError, decode, encode
 from services.wire.messages import (
+    KVTransfer,
+    KVTransfers,
     NewRequestData,
     OutputBatch,
     RequestOutput,
     SamplingParams,
     StepMessage,
+    StepResult,
 )
 
 
@@ -110,3 +113,32 @@ def test_an_output_leaves_out_its_defaults_and_the_full_form_still_decodes():
     ended = RequestOutput(req_id="b", new_token_ids=[], finished=True, finish_reason="stop",
                           stop_token_id=9)  # fmt: skip
     assert decode(encode(OutputBatch(outputs=[ended])), OutputBatch).outputs == [ended]
+
+
+def test_a_step_carries_the_cpu_tiers_copies_and_older_messages_still_decode():
+    transfers = KVTransfers(
+        num_cpu_chunks=64,
+        loads=[KVTransfer(3, [7, 8], [12, 13])],
+        stores=[KVTransfer(4, [12], [9]), KVTransfer(5, [2], [1])],
+        flush=[5],
+    )
+    with_tier = step()
+    with_tier.kv_transfers = transfers
+    assert decode(encode(with_tier), StepMessage).kv_transfers == transfers
+    # A step or a result without the fields (an older ledger or worker) decodes with none.
+    old = raw(step())
+    assert "kv_transfers" in old and old["kv_transfers"] is None
+    del old["kv_transfers"]
+    assert decode(msgpack.packb(old), StepMessage).kv_transfers is None
+    result = StepResult(
+        step_id=1, epoch="e", worker_id="w", sampled_token_ids={}, transfers_done=[3, 4]
+    )
+    assert decode(encode(result), StepResult).transfers_done == [3, 4]
+    old = raw(StepResult(step_id=1, epoch="e", worker_id="w", sampled_token_ids={}))
+    del old["transfers_done"]
+    assert decode(msgpack.packb(old), StepResult).transfers_done is None
+    # A job is three fields in a row; a malformed one is named.
+    bad = raw(with_tier)
+    bad["kv_transfers"]["loads"][0][1] = "x"
+    with pytest.raises(WireError, match=r"field 'kv_transfers.loads\[0\]\[1\]'"):
+        decode(msgpack.packb(bad), StepMessage)

@@ -1,0 +1,111 @@
+"""The worker's CPU tier: a host buffer of whole KV blocks that the ledger's offloading connector
+stores blocks into and loads them back from (vLLM 0.33's CPU offloading worker, synchronous).
+
+One chunk is one block of every layer's K and V, laid out as the GPU cache is (one tensor per
+layer and K/V, chunk first), pinned on CUDA so that the copies are DMA, a plain tensor on the
+CPU. The ledger decides every chunk: the worker only checks that a step's copies fit its cache
+and buffer, runs them in the step's order (flushed stores, loads, the forward pass, the other
+stores) and reports them done with the step's result. The buffer lives as long as the worker:
+a restarted worker has an empty one, and the ledger forgets the tier when it sees the restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels import KVCache
+from services.wire.messages import KVTransfer, KVTransfers
+
+
+class TransferError(ValueError):
+    """A step's copies that do not fit this worker's cache or buffer (the step is refused)."""
+
+
+class HostKVTier:
+    def __init__(self, kv_caches: Sequence[KVCache], num_chunks: int) -> None:
+        self.num_chunks = num_chunks
+        device = kv_caches[0][0].device
+        pin = device.type == "cuda"
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            tuple(  # type: ignore[misc]
+                torch.empty((num_chunks, *cache.shape[1:]), dtype=cache.dtype, pin_memory=pin)
+                for cache in layer
+            )
+            for layer in kv_caches
+        ]
+        self.bytes_per_chunk = sum(k[0].nbytes + v[0].nbytes for k, v in self.buffers)
+        self.loads = self.stores = self.blocks_loaded = self.blocks_stored = 0
+
+    def check(self, transfers: KVTransfers, num_blocks: int) -> None:
+        """Refuse, before anything runs, a copy whose ids fall outside the cache or the buffer."""
+        if transfers.num_cpu_chunks != self.num_chunks:
+            raise TransferError(
+                f"the step's CPU tier has {transfers.num_cpu_chunks} chunks, this worker's "
+                f"buffer {self.num_chunks}"
+            )
+        stores = {job.job_id for job in transfers.stores}
+        unknown = [job_id for job_id in transfers.flush if job_id not in stores]
+        if unknown:
+            raise TransferError(f"flush of job {unknown[0]}, not a store of this step")
+        for kind, jobs, src_limit, dst_limit in (
+            ("load", transfers.loads, self.num_chunks, num_blocks),
+            ("store", transfers.stores, num_blocks, self.num_chunks),
+        ):
+            for job in jobs:
+                if len(job.src) != len(job.dst):
+                    raise TransferError(
+                        f"{kind} job {job.job_id}: {len(job.src)} sources, {len(job.dst)} targets"
+                    )
+                for ids, limit in ((job.src, src_limit), (job.dst, dst_limit)):
+                    bad = next((i for i in ids if not 0 <= i < limit), None)
+                    if bad is not None:
+                        raise TransferError(
+                            f"{kind} job {job.job_id}: id {bad} is outside 0..{limit - 1}"
+                        )
+
+    def before_forward(self, transfers: KVTransfers, kv_caches: Sequence[KVCache]) -> list[int]:
+        """The flushed stores (their blocks are written by this step), then the loads."""
+        flush = set(transfers.flush)
+        done = []
+        for job in transfers.stores:
+            if job.job_id in flush:
+                self._store(job, kv_caches)
+                done.append(job.job_id)
+        for job in transfers.loads:
+            self._load(job, kv_caches)
+            done.append(job.job_id)
+        return done
+
+    def after_forward(self, transfers: KVTransfers, kv_caches: Sequence[KVCache]) -> list[int]:
+        """The other stores: the blocks hold what this step computed."""
+        flush = set(transfers.flush)
+        done = []
+        for job in transfers.stores:
+            if job.job_id not in flush:
+                self._store(job, kv_caches)
+                done.append(job.job_id)
+        return done
+
+    def _load(self, job: KVTransfer, kv_caches: Sequence[KVCache]) -> None:
+        device = kv_caches[0][0].device
+        chunks = torch.tensor(job.src, dtype=torch.long)
+        blocks = torch.tensor(job.dst, dtype=torch.long, device=device)
+        for layer, host in zip(kv_caches, self.buffers, strict=True):
+            for cache, buffer in zip(layer, host, strict=True):
+                rows = buffer.index_select(0, chunks)
+                cache.index_copy_(0, blocks, rows.to(device, non_blocking=True))
+        self.loads += 1
+        self.blocks_loaded += len(job.dst)
+
+    def _store(self, job: KVTransfer, kv_caches: Sequence[KVCache]) -> None:
+        device = kv_caches[0][0].device
+        blocks = torch.tensor(job.src, dtype=torch.long, device=device)
+        chunks = torch.tensor(job.dst, dtype=torch.long)
+        for layer, host in zip(kv_caches, self.buffers, strict=True):
+            for cache, buffer in zip(layer, host, strict=True):
+                # On CUDA .cpu() waits for the copy: the chunk is whole when it is reported.
+                buffer.index_copy_(0, chunks, cache.index_select(0, blocks).cpu())
+        self.stores += 1
+        self.blocks_stored += len(job.src)

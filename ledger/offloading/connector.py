@@ -1,0 +1,412 @@
+"""When the CPU tier stores and loads: vLLM 0.33's OffloadingConnectorScheduler, as a pure class.
+
+The configuration kvledger runs: one full-attention KV-cache group, offloaded block size equal to
+the GPU block size (a chunk is one block), no sliding window, every chunk (not whole requests),
+no sync-load budget. The scheduler calls it as vLLM's calls its connector:
+
+    on_new_request(request)                      a request arrives
+    get_num_new_matched_tokens(request, n)       tokens past the n locally cached ones that the
+                                                 tier can load (None: ask again later, a block
+                                                 of it is still being written or loaded)
+    update_state_after_alloc(request, blocks, k) blocks allocated; k > 0 loads those k tokens
+    build_connector_meta(scheduler_output)       end of a step: the step's load and store jobs,
+                                                 and the jobs the workers must finish first
+    update_connector_output(completed)           the workers' reports, {job_id: workers done}
+    request_finished(request)                    before its blocks are freed (never delayed)
+    take_events() / reset_cache()
+
+Stores: a request's full prompt blocks (offload_prompt_only, vLLM's default) are offered as its
+chunks are scheduled, in prefix order, and each is offered until the tier takes or already holds
+it; blocks loaded from the tier are not offered back. A store reads GPU blocks after the step
+that computed them, so when a finished request's block is handed to another request while its
+store is still in flight, that job is flushed (the worker completes it before the block is
+overwritten); a preempted request's stores are flushed likewise.
+
+Order matters and follows vLLM: finished requests are visited in the iteration order of the
+scheduler output's `finished_req_ids` set, and a store's keys complete in the order of a set, so
+two processes agree byte for byte when they share PYTHONHASHSEED.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+
+from ledger.block import KVCacheBlock
+from ledger.events import AnyKVCacheEvent
+from ledger.offloading.base import (
+    ConnectorMeta,
+    LookupResult,
+    OffloadingEvent,
+    OffloadKey,
+    RequestContext,
+    TransferJob,
+    make_offload_key,
+)
+from ledger.offloading.events import to_kv_events
+from ledger.offloading.manager import CPUOffloadingManager
+from ledger.request import Request, RequestStatus
+from ledger.scheduler_output import SchedulerOutput
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class JobStatus:
+    req_id: str
+    pending_workers: int
+    keys: set[OffloadKey]
+    is_store: bool
+    # A store's source blocks, watched for reuse once the request has finished.
+    source_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: Request
+    context: RequestContext
+    offload_keys: list[OffloadKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    next_stored_idx: int = 0  # the first chunk not yet stored (or not to be stored)
+    num_local_tokens: int = 0  # the GPU prefix-cache hit at the last lookup
+    transfer_jobs: set[int] = field(default_factory=set)  # one load, or stores
+    finished_signaled: bool = False
+
+    def update_offload_keys(self, block_size: int) -> None:
+        hashes = self.request.block_hashes
+        for index in range(len(self.offload_keys), len(hashes)):
+            key = make_offload_key(hashes[index])
+            self.offload_keys.append(key)
+            self.context.set_position(key, (index + 1) * block_size)
+
+    def storable_chunks(self, num_offloadable_tokens: int, block_size: int) -> int:
+        return min(
+            num_offloadable_tokens // block_size, len(self.block_ids), len(self.offload_keys)
+        )
+
+
+class OffloadingConnectorScheduler:
+    def __init__(
+        self,
+        manager: CPUOffloadingManager,
+        block_size: int,
+        num_workers: int = 1,
+        offload_prompt_only: bool = True,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.manager = manager
+        self.block_size = block_size
+        self.num_workers = num_workers
+        self.offload_prompt_only = offload_prompt_only
+        self.requests: dict[str, RequestState] = {}
+        self.jobs: dict[int, JobStatus] = {}
+        self.next_job_id = 0
+        # Job ids below this were issued before the last reset: their reports are ignored.
+        self.stale_job_threshold = 0
+        self.reset_fence: dict[int, int] = {}  # pre-reset job -> workers yet to report
+        # GPU block -> store jobs still reading it (a finished request's blocks may be reused).
+        self.block_to_pending_jobs: dict[int, set[int]] = {}
+        # Keys being loaded: a request hitting one waits rather than loading it twice.
+        self.keys_being_loaded: set[OffloadKey] | None = set() if enable_prefix_caching else None
+        self._batch_load_jobs: dict[int, TransferJob] = {}
+        self._batch_jobs_to_flush: set[int] = set()
+        self._batch_allocated: set[int] = set()
+
+    def _new_job_id(self) -> int:
+        self.next_job_id += 1
+        return self.next_job_id - 1
+
+    def on_new_request(self, request: Request) -> None:
+        context = RequestContext(request.request_id)
+        self.manager.on_new_request(context)
+        self.requests[request.request_id] = RequestState(request, context)
+
+    # --- admission ---
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int, max_num_new_tokens: int | None = None
+    ) -> tuple[int | None, bool]:
+        """(tokens the tier can load past num_computed_tokens or None to retry, load is async)."""
+        state = self.requests[request.request_id]
+        state.block_ids.clear()
+        state.next_stored_idx = 0  # starting over: every chunk is offered again
+        if state.transfer_jobs:
+            return None, False
+        state.update_offload_keys(self.block_size)
+        state.num_local_tokens = num_computed_tokens
+        hit = 0 if request.skip_reading_prefix_cache else self._lookup(state, max_num_new_tokens)
+        return hit, bool(hit)
+
+    def _lookup(self, state: RequestState, max_num_new_tokens: int | None) -> int | None:
+        block_size, keys = self.block_size, state.offload_keys
+        computed = state.num_local_tokens
+        max_hit = state.request.num_tokens
+        if max_num_new_tokens is not None:
+            max_hit = min(max_hit, computed + max_num_new_tokens)
+        max_hit = min(max_hit, len(keys) * block_size)
+        if max_hit - computed < block_size:
+            return 0  # less than a block to load
+        start = computed // block_size
+        hits, pending = 0, False
+        for key in keys[start : min(cdiv(max_hit, block_size), len(keys))]:
+            found = self.manager.lookup(key, state.context)
+            if found is LookupResult.MISS:
+                break
+            hits += 1
+            pending |= found is LookupResult.HIT_PENDING
+        if pending:
+            return None  # a hit still being written: wait for it
+        if hits == 0:
+            return 0
+        num_hit_tokens = min(max_hit, block_size * (start + hits)) - computed
+        if num_hit_tokens < block_size:
+            return 0
+        being_loaded = self.keys_being_loaded
+        if being_loaded and any(
+            key in being_loaded for key in keys[start : cdiv(computed + num_hit_tokens, block_size)]
+        ):
+            return None  # another request is loading part of it: wait, then hit the GPU cache
+        return num_hit_tokens
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: Sequence[KVCacheBlock], num_external_tokens: int
+    ) -> None:
+        """The request's blocks (all of them) are allocated; load the external tokens into them."""
+        self._batch_allocated.update(b.block_id for b in blocks if b.block_id != 0)
+        if num_external_tokens == 0:
+            return
+        state = self.requests[request.request_id]
+        block_size = self.block_size
+        num_local = state.num_local_tokens
+        num_gpu_blocks = cdiv(num_local + num_external_tokens, block_size)
+        assert len(blocks) >= num_gpu_blocks and num_local % block_size == 0
+        # The first block past the local hit that is not cached already.
+        load_start = num_gpu_blocks
+        for index in range(cdiv(num_local, block_size), num_gpu_blocks):
+            block = blocks[index]
+            if not block.is_null and block.block_hash is None:
+                load_start = index
+                break
+        keys = state.offload_keys[load_start:num_gpu_blocks] if num_gpu_blocks > load_start else []
+        # Loaded chunks are in the tier already: never offered back.
+        state.next_stored_idx = num_gpu_blocks
+        chunk_ids = self.manager.prepare_load(keys, state.context)
+        dst = [block.block_id for block in blocks[load_start:num_gpu_blocks]]
+        job_id = self._new_job_id()
+        self._batch_load_jobs[job_id] = TransferJob(request.request_id, chunk_ids, dst, load_start)
+        assert not state.transfer_jobs, "a load is issued only when no transfer is in flight"
+        state.transfer_jobs.add(job_id)
+        self.jobs[job_id] = JobStatus(request.request_id, self.num_workers, set(keys), False)
+        if self.keys_being_loaded is not None:
+            self.keys_being_loaded.update(keys)
+
+    # --- the end of a step ---
+
+    def build_connector_meta(self, output: SchedulerOutput) -> ConnectorMeta:
+        self._update_request_states(output)
+        for req_id in output.preempted_req_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                # Its blocks are freed: stores still reading them finish first.
+                self._batch_jobs_to_flush.update(state.transfer_jobs - self._batch_load_jobs.keys())
+        pending = self.block_to_pending_jobs
+        if pending and not pending.keys().isdisjoint(self._batch_allocated):
+            self._batch_jobs_to_flush.update(
+                job_id
+                for block_id in self._batch_allocated
+                if block_id in pending
+                for job_id in pending[block_id]
+            )
+        meta = ConnectorMeta(
+            self._batch_load_jobs, self._build_store_jobs(output), self._batch_jobs_to_flush
+        )
+        for req_id in output.finished_req_ids:
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            state.finished_signaled = True
+            self.manager.on_request_finished(state.context)
+            if not state.transfer_jobs:
+                del self.requests[req_id]
+        self._batch_load_jobs = {}
+        self._batch_jobs_to_flush = set()
+        self._batch_allocated = set()
+        return meta
+
+    def _update_request_states(self, output: SchedulerOutput) -> None:
+        block_size, requests, allocated = self.block_size, self.requests, self._batch_allocated
+        for new in output.scheduled_new_reqs:
+            state = requests[new.request.request_id]
+            state.update_offload_keys(block_size)
+            state.block_ids[:] = new.block_ids
+            allocated.update(b for b in new.block_ids if b != 0)
+        # Once a step per running request (most of them decoding): only what changed is touched.
+        for cached in output.scheduled_cached_reqs:
+            state = requests[cached.request.request_id]
+            if len(state.request.block_hashes) > len(state.offload_keys):
+                state.update_offload_keys(block_size)
+            if cached.new_block_ids:
+                state.block_ids.extend(cached.new_block_ids)
+                allocated.update(b for b in cached.new_block_ids if b != 0)
+
+    def _num_offloadable_tokens(self, request: Request, num_tokens: int) -> int:
+        num = min(num_tokens, request.num_tokens)
+        return min(num, request.num_prompt_tokens) if self.offload_prompt_only else num
+
+    def _build_store_jobs(self, output: SchedulerOutput) -> dict[int, TransferJob]:
+        block_size = self.block_size
+        store_jobs: dict[int, TransferJob] = {}
+        prompt_only = self.offload_prompt_only
+        for req_id in chain(output.num_scheduled_tokens, output.finished_req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            request = state.request
+            if prompt_only and state.next_stored_idx >= request.num_prompt_tokens // block_size:
+                continue  # every prompt chunk offered: nothing more to store (decoding requests)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                num_tokens = request.num_computed_tokens
+            elif request.is_finished:
+                # The last sampled token's slot is never written: a block ending there is not.
+                num_tokens = max(request.num_prompt_tokens, request.num_tokens - 1)
+            else:
+                num_tokens = request.num_computed_tokens + output.num_scheduled_tokens[req_id]
+            num_offloadable = self._num_offloadable_tokens(request, num_tokens)
+            num_chunks = state.storable_chunks(num_offloadable, block_size)
+            start = state.next_stored_idx
+            offered = [
+                key
+                for key, block_id in zip(
+                    state.offload_keys[start:num_chunks],
+                    state.block_ids[start:num_chunks],
+                    strict=True,
+                )
+                if block_id != 0
+            ]
+            if not offered:
+                state.next_stored_idx = max(start, num_chunks)
+                continue
+            stored = self.manager.prepare_store(offered, state.context)
+            if stored is None:
+                continue  # nothing evictable: offered again next step
+            if not stored.keys_to_store:
+                state.next_stored_idx = max(start, num_chunks)
+                continue
+            keys_to_store = set(stored.keys_to_store)
+            source_index: int | None = None
+            source: list[int] = []
+            for index in range(start, num_chunks):
+                block_id = state.block_ids[index]
+                if state.offload_keys[index] in keys_to_store and block_id != 0:
+                    source_index = index if source_index is None else source_index
+                    source.append(block_id)
+            state.next_stored_idx = max(start, num_chunks)
+            job_id = self._new_job_id()
+            assert all(self.jobs[j].is_store for j in state.transfer_jobs), "store while loading"
+            state.transfer_jobs.add(job_id)
+            # A set of that set, as vLLM builds it: the order the keys complete in (and their
+            # BlockStored events come out in) is this set's iteration order.
+            job_keys = set(keys_to_store)
+            self.jobs[job_id] = JobStatus(req_id, self.num_workers, job_keys, True, source)
+            store_jobs[job_id] = TransferJob(req_id, source, stored.chunk_ids, source_index or 0)
+            if request.is_finished:
+                for block_id in source:
+                    self.block_to_pending_jobs.setdefault(block_id, set()).add(job_id)
+                    if block_id in self._batch_allocated:
+                        self._batch_jobs_to_flush.add(job_id)
+        return store_jobs
+
+    # --- the workers' reports and the end of a request ---
+
+    def update_connector_output(self, completed: Mapping[int, int]) -> None:
+        """`completed`: job id -> how many workers finished it since the last report."""
+        for job_id, count in completed.items():
+            assert count > 0
+            if job_id < self.stale_job_threshold:
+                if job_id in self.reset_fence:
+                    self.reset_fence[job_id] -= count
+                    if self.reset_fence[job_id] <= 0:
+                        del self.reset_fence[job_id]
+                continue
+            job = self.jobs[job_id]
+            job.pending_workers -= count
+            if job.pending_workers > 0:
+                continue
+            state = self.requests[job.req_id]
+            if job.is_store:
+                self.manager.complete_store(job.keys, state.context)
+            else:
+                self.manager.complete_load(job.keys, state.context)
+                if self.keys_being_loaded:
+                    self.keys_being_loaded.difference_update(job.keys)
+            if self.block_to_pending_jobs and state.request.is_finished:
+                self._forget_pending(job_id, job.source_block_ids)
+            del self.jobs[job_id]
+            state.transfer_jobs.remove(job_id)
+            if state.finished_signaled and not state.transfer_jobs:
+                del self.requests[job.req_id]
+
+    def _forget_pending(self, job_id: int, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            jobs = self.block_to_pending_jobs[block_id]
+            jobs.remove(job_id)
+            if not jobs:
+                del self.block_to_pending_jobs[block_id]
+
+    def request_finished(self, request: Request) -> tuple[bool, None]:
+        """Called before the request's blocks are freed; they are never held for the tier."""
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return False, None
+        # Its last block hashes, for the stores the next step builds.
+        state.update_offload_keys(self.block_size)
+        for job_id in state.transfer_jobs:
+            for block_id in self.jobs[job_id].source_block_ids:
+                self.block_to_pending_jobs.setdefault(block_id, set()).add(job_id)
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        """The engine must keep stepping while jobs (or a reset's old jobs) are unreported."""
+        return bool(self.jobs or self.reset_fence)
+
+    def take_events(self) -> list[AnyKVCacheEvent]:
+        return to_kv_events(self.manager.take_events())
+
+    def forget(self) -> list[AnyKVCacheEvent]:
+        """The workers lost the tier (a restart; beyond vLLM, whose tier lives in its own
+        process): the events still due, then one BlockRemoved (medium CPU) of every block it had
+        announced, and the books emptied as `reset_cache` empties them. The jobs in flight died
+        with the workers' steps, so none is flushed and no report of them is awaited."""
+        events = self.take_events()
+        held = self.manager.ready_keys()
+        self.reset_cache()
+        self._batch_jobs_to_flush.clear()
+        self.reset_fence.clear()
+        self.manager.take_events()  # a reset announces nothing of its own
+        if held:
+            events += to_kv_events(
+                [OffloadingEvent(held, removed=True, medium=self.manager.medium)]
+            )
+        return events
+
+    def reset_cache(self) -> None:
+        """Forget the tier; jobs in flight are flushed and their reports ignored."""
+        self._batch_jobs_to_flush.update(self.jobs)
+        for req_id, state in list(self.requests.items()):
+            if state.request.is_finished:
+                if not state.finished_signaled:
+                    self.manager.on_request_finished(state.context)
+                del self.requests[req_id]
+        self.manager.reset_cache()
+        for state in self.requests.values():
+            state.next_stored_idx = 0
+            state.transfer_jobs.clear()
+        self.stale_job_threshold = self.next_job_id
+        self.reset_fence.update((job_id, job.pending_workers) for job_id, job in self.jobs.items())
+        self.jobs.clear()
+        self.block_to_pending_jobs.clear()
+        if self.keys_being_loaded is not None:
+            self.keys_being_loaded.clear()

@@ -1,0 +1,151 @@
+"""The CPU tier end to end: the ledger and worker services over a real redis-server, with
+--kv-offloading-size on a GPU pool too small to keep the prompts' prefixes. Blocks evicted from
+the GPU are loaded back from the worker's host buffer instead of computed again; the greedy
+tokens are those of the dense model and of the same run without the tier; a restarted worker
+takes the tier with it and the ledger forgets and unpublishes it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from ledger.hashing import to_event_hash
+from ledger.offloading.base import offload_key_block_hash
+from tests.engine.test_ledger_service import prompts
+from tests.harness.stack import Stack, dense_greedy
+
+# The tiny Llama's block is 32 KiB (4 layers, K and V, 16 tokens of one 64-wide head, float32):
+# 1 MiB of tier holds 32 blocks, more than the 23 the GPU lends.
+TIER_GIB = 1 / 1024
+SETTINGS = {"num_blocks": 24, "max_model_len": 112, "max_num_batched_tokens": 256}
+
+
+def workload() -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Three documents of four blocks; each is read, then pushed off the GPU by unrelated
+    prompts, then read again by requests that outgrow the pool together (preemption)."""
+    documents = prompts(3, 64, seed=11)
+    first = [doc + tail for doc, tail in zip(documents, prompts(3, 8, seed=12), strict=True)]
+    fillers = prompts(4, 80, seed=13)
+    again = [documents[i % 3] + tail for i, tail in enumerate(prompts(6, 8, seed=14))]
+    return first, fillers, again
+
+
+async def serve(stack: Stack, max_tokens: int = 24) -> dict[str, list[int]]:
+    first, fillers, again = workload()
+    for phase, batch, tokens in (("a", first, 4), ("f", fillers, 4), ("b", again, max_tokens)):
+        for i, prompt in enumerate(batch):
+            await stack.submit(f"{phase}{i}", prompt, tokens)
+        await stack.wait([f"{phase}{i}" for i in range(len(batch))], timeout=120)
+    return {rid: result.tokens for rid, result in stack.results.items()}
+
+
+async def stream_events(stack: Stack) -> list[dict]:
+    return [
+        event
+        for _, fields in await stack.r.xrange(stack.streams.events)
+        for event in msgpack.unpackb(fields[b"batch"])[1]
+    ]
+
+
+async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact(
+    redis_url, tiny_model
+):
+    off = await Stack(redis_url, tiny_model, **SETTINGS).start()
+    try:
+        tokens_off = await serve(off)
+        computed_off = off.ledger.scheduler.num_prompt_tokens_computed
+    finally:
+        await off.stop()
+    on = await Stack(redis_url, tiny_model, kv_offloading_size=TIER_GIB, **SETTINGS).start()
+    try:
+        tokens_on = await serve(on)
+        ledger = on.ledger
+        assert ledger.num_cpu_chunks == 32
+        assert tokens_on == tokens_off
+        _, _, again = workload()
+        for i, prompt in enumerate(again):
+            assert tokens_on[f"b{i}"] == dense_greedy(tiny_model, prompt, 24), f"b{i}"
+        scheduler = ledger.scheduler
+        assert scheduler.num_loads > 0 and scheduler.num_loaded_tokens >= 64
+        assert scheduler.num_preemptions > 0
+        assert (
+            ledger.scheduler.num_prompt_tokens_computed
+            < computed_off - scheduler.num_loaded_tokens // 2
+        )
+        host = on.worker_services["w0"].runner.host_tier
+        assert host is not None and host.blocks_loaded * 16 == scheduler.num_loaded_tokens
+        # Loaded requests report their loaded tokens as cached, as vLLM counts external hits.
+        assert any(r.final.num_cached_tokens >= 64 for r in on.results.values())
+        # Its metrics: vLLM's connector lookups, and the blocks moved.
+        labels = {"model_name": "kvledger-tiny-llama", "engine": "0"}
+
+        def metric(name: str) -> float | None:
+            return ledger.metrics.registry.get_sample_value(name, labels)
+
+        for _ in range(100):  # the idle loop updates them within half a second
+            if metric("kvledger:cpu_tier_loaded_blocks_total") == scheduler.num_loaded_blocks and (
+                metric("kvledger:prompt_tokens_computed_total")
+                == scheduler.num_prompt_tokens_computed
+            ):
+                break
+            await asyncio.sleep(0.02)
+        assert metric("kvledger:cpu_tier_loaded_blocks_total") == host.blocks_loaded
+        assert metric("kvledger:cpu_tier_stored_blocks_total") == host.blocks_stored
+        assert metric("vllm:external_prefix_cache_hits_total") > 0
+        assert (
+            metric("kvledger:prompt_tokens_computed_total")
+            == ledger.scheduler.num_prompt_tokens_computed
+        )
+        # Every GPU block is free; the tier holds what it stored, nothing in flight.
+        assert ledger.manager.num_free_blocks == 23 and not ledger.manager.req_to_blocks
+        connector = scheduler.connector
+        assert connector is not None and not connector.jobs and not scheduler.holding
+        # The tier's changes are on the KV-event stream beside the GPU's, with medium CPU.
+        events = await stream_events(on)
+        cpu = [e for e in events if e.get("medium") == "CPU"]
+        assert [e["type"] for e in cpu].count("BlockStored") == host.blocks_stored
+        held = {to_event_hash(offload_key_block_hash(k)) for k in connector.manager.ready_keys()}
+        stored = {e["block_hashes"][0] for e in cpu if e["type"] == "BlockStored"}
+        assert held <= stored and held
+    finally:
+        await on.stop()
+
+
+async def test_a_restarted_worker_takes_the_tier_with_it_and_the_ledger_forgets_it(
+    redis_url, tiny_model
+):
+    stack = await Stack(redis_url, tiny_model, kv_offloading_size=TIER_GIB, **SETTINGS).start()
+    try:
+        first, _, again = workload()
+        for i, prompt in enumerate(first):
+            await stack.submit(f"a{i}", prompt, 4)
+        await stack.wait([f"a{i}" for i in range(3)])
+        connector = stack.ledger.scheduler.connector
+        assert connector is not None
+        held = {to_event_hash(offload_key_block_hash(k)) for k in connector.manager.ready_keys()}
+        assert len(held) >= 12  # the three documents' blocks at least
+        for i, prompt in enumerate(again):
+            await stack.submit(f"b{i}", prompt, 40)
+        while sum(len(stack.results[f"b{i}"].tokens) for i in range(6)) < 6:
+            await asyncio.sleep(0.01)
+        epoch = stack.ledger.epoch
+        await stack.kill_worker("w0")
+        await stack.start_worker("w0")
+        results = await stack.wait([f"b{i}" for i in range(6)], timeout=120)
+        assert stack.ledger.epoch != epoch
+        for i, prompt in enumerate(again):
+            assert results[f"b{i}"].tokens == dense_greedy(tiny_model, prompt, 40), f"b{i}"
+        # Everything the tier held was published as removed (medium CPU) when the worker went.
+        events = await stream_events(stack)
+        removed = {
+            h
+            for e in events
+            if e["type"] == "BlockRemoved" and e.get("medium") == "CPU"
+            for h in e["block_hashes"]
+        }
+        assert held <= removed
+        assert stack.ledger.manager.num_free_blocks == 23
+        assert not connector.jobs and not stack.ledger.scheduler.holding
+    finally:
+        await stack.stop()
