@@ -54,7 +54,9 @@ def fan_out_body(kind: str, size: int) -> dict:
     return {"prompt": [f"batch prompt {i}" for i in range(size)], **common}
 
 
-async def scenario(url: str, kind: str, size: int, count: int) -> tuple[list[float], float]:
+async def scenario(
+    url: str, kind: str, size: int, count: int, cut: bool = False
+) -> tuple[list[float], float]:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=600)
@@ -70,6 +72,11 @@ async def scenario(url: str, kind: str, size: int, count: int) -> tuple[list[flo
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # its first sequences run
         latencies = await normals(session, url, count, kind)
+        if cut:  # the fan-out's client leaves: its sequences are aborted
+            fan.cancel()
+            await asyncio.gather(fan, return_exceptions=True)
+            await asyncio.sleep(2.0)  # the aborts reach the ledger before the next baseline
+            return latencies, float("nan")
         resp = await fan
         await resp.read()
         assert resp.status == 200, resp.status
@@ -91,6 +98,13 @@ def main() -> int:
     parser.add_argument("--normal", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=512)
     parser.add_argument("--control", type=int, default=64, help="a full batch of normal requests")
+    parser.add_argument(
+        "--kinds", default="n,best_of,batch", help="the fan-outs to run beside (a shorter run: n)"
+    )
+    parser.add_argument(
+        "--cut-fan-out", action="store_true",
+        help="a shorter run: the fan-out's client leaves once the normal requests are answered",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -100,8 +114,10 @@ def main() -> int:
         asyncio.run(baseline(services.url, 4))  # warm up
         base = asyncio.run(baseline(services.url, args.normal))
         results["baseline"] = base
-        for kind in ("n", "best_of", "batch"):
-            latencies, fan_s = asyncio.run(scenario(services.url, kind, args.fan_out, args.normal))
+        for kind in args.kinds.split(","):
+            latencies, fan_s = asyncio.run(
+                scenario(services.url, kind, args.fan_out, args.normal, args.cut_fan_out)
+            )
             results[kind] = latencies
             rows.append([f"beside {kind}={args.fan_out}" if kind != "batch" else
                          f"beside a batch of {args.fan_out} prompts", ms(pct(latencies, 50)),
@@ -112,7 +128,7 @@ def main() -> int:
         # The control: a full batch (the ledger's max_num_seqs, 64) of normal requests alone.
         # On the CPU a step costs more the more sequences it holds; requests beside a fan-out
         # share a full batch, so this row is what sharing it costs without any queueing.
-        control = asyncio.run(baseline(services.url, args.control))
+        control = asyncio.run(baseline(services.url, args.control)) if args.control else [0.0]
         load = os.getloadavg()[0]
     finally:
         services.stop()

@@ -675,6 +675,7 @@ class Engine:
             async_scheduling=cfg.async_scheduling,
             enable_prefix_caching=cfg.enable_prefix_caching,
             costs=self.routing_costs(),
+            max_num_seqs=cfg.max_num_seqs,
         )
 
     def routing_costs(self) -> RoutingCosts:

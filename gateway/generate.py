@@ -5,11 +5,14 @@
 2. read the body (408 past --body-timeout-s) and count its sequences (prompts x n, or x best_of,
    `count_sequences`): each takes a place in --max-queue (429 when they are not free; a 400
    naming the field when they never could be);
-3. parse it into jobs (`gateway.protocol`: validation, tokenization in a thread; a 400 names
+3. wait for a setup turn (`Gateway.setting_up`: SETUP_CONCURRENCY admitted requests are set up
+   at once, in order of arrival, so that a burst's setups cannot fill every loop turn), then
+   parse it into jobs (`gateway.protocol`: validation, tokenization in a thread; a 400 names
    the field) against a live ledger's limits;
 4. one job per sequence (`fan_out`: n samples of every prompt, best_of's candidates), each
    routed to a replica and put on its requests stream (`gateway.inflight.Generation`, which
-   `gateway.router` routes), a fan-out a few at a time (`gateway.fanout`). With external
+   `gateway.router` routes), a fan-out a few at a time (`gateway.fanout`); the setup turn ends
+   once the first are on the stream. With external
    replicas (other OpenAI servers) the whole request goes to one, chosen for its first prompt:
    there it is proxied unchanged (`gateway.upstream`), and that ends it here;
 5. the reply: one JSON body or server-sent events (`gateway.answer`, bodies in `gateway.bodies`).
@@ -30,7 +33,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway import genai
 from gateway.answer import respond, stream, total_usage
 from gateway.bodies import Meta
-from gateway.fanout import FanOut
+from gateway.fanout import FanOut, in_flight_bound
 from gateway.fields import ApiError
 from gateway.inflight import Generation
 from gateway.prompts import count_sequences
@@ -83,9 +86,10 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
         else await asyncio.to_thread(parse_json, raw)
     )
     places = count_sequences(kind, body, gw.config.max_queue)
-    async with gw.admit(places):
+    async with gw.admit(places), gw.setting_up() as set_up:
         jobs = await asyncio.to_thread(_parse, gw, kind, body)  # tokenizing may take a while
-        limits = gw.limits(await gw.wait_for_ledger())
+        status = await gw.wait_for_ledger()
+        limits = gw.limits(status)
         # One ledger request per choice (n samples of every prompt), all under one response id.
         children = fan_out([resolve(job, limits) for job in jobs])
         assert len(children) == places, "count_sequences and fan_out disagree"
@@ -94,6 +98,7 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
         if gw.upstreams is not None:  # some replicas are other servers: route the request whole
             first.route = gw.routing.route(children[0], first.req_id)
             if first.route.replica in gw.upstreams:
+                set_up()
                 try:
                     return await gw.upstreams.proxy(request, raw, first.route.replica)
                 finally:
@@ -114,9 +119,10 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
                         gen.route = gw.routing.pin(job, gen.req_id, first.route.replica)
                     gens.append(gen)
                 async with contextlib.AsyncExitStack() as stack:
-                    fan = FanOut(gens, stack)
+                    fan = FanOut(gens, stack, bound=in_flight_bound(status))
                     try:
                         await fan.start()
+                        set_up()  # its first sequences are on the stream: the next one's turn
                         meta = Meta(kind, gens[0].response_id, int(time.time()), model)
                         if children[0].stream:
                             return await stream(request, gens, meta)

@@ -97,6 +97,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.ended_by: BaseException | None = None  # an error the handler caught and answered
         self._enqueued = False
+        self._aborted = False  # the ledger was told to stop it
         self._queue: asyncio.Queue | None = None
         self.replica: str | None = None  # routing's choice, on entry
         self.route: Route | None = None  # decided before entry (with external replicas)
@@ -105,6 +106,7 @@ class Generation:
         self.entered = asyncio.Event()
         self.refused: BaseException | None = None
         self.on_started: Callable[[], None] | None = None  # once: its first output, or its end
+        self.on_ended: Callable[[], None] | None = None  # once: its last output, or its exit
 
     async def __aenter__(self) -> Generation:
         # 503 here when every replica is out; pending there until __aexit__ releases it.
@@ -151,6 +153,7 @@ class Generation:
         self.gw.outputs.unregister(self.req_id)
         self.gw.routing.release(self.req_id)
         self._started()
+        self._ended()
         if not self._enqueued:
             return
         exc = exc or self.ended_by
@@ -158,8 +161,7 @@ class Generation:
             reason = _abort_reason(exc)
         else:  # deltas() only returns early on a stop string
             reason = "stop_string" if self.stops.matched is not None else "gateway_error"
-        if not self.tracker.finished:
-            await self.gw.abort(self.req_id, reason, self.replica)
+        await self._abort(reason)
         self.finish_reason = self.finish_reason or (
             "error" if reason == "gateway_error" else "abort"
         )
@@ -180,8 +182,18 @@ class Generation:
         self.refused = exc
         self.entered.set()
 
+    async def _abort(self, reason: str) -> None:
+        if not self.tracker.finished and not self._aborted:
+            self._aborted = True
+            await self.gw.abort(self.req_id, reason, self.replica)
+
     def _started(self) -> None:
         callback, self.on_started = self.on_started, None
+        if callback is not None:
+            callback()
+
+    def _ended(self) -> None:
+        callback, self.on_ended = self.on_ended, None
         if callback is not None:
             callback()
 
@@ -208,10 +220,15 @@ class Generation:
             text = self.stops.push(self._text(new_ids), final=final is not None, check=check)
             if self.stops.matched is not None:
                 self.finish_reason = "stop"
+                # Told now, not when the response ends: a fan-out's other sequences may run on
+                # long after this one, and this one would hold its place in the batch meanwhile.
+                await self._abort("stop_string")
+                self._ended()
                 yield Delta(text, new_ids, "stop", logprobs)
                 return
             if final is not None:
                 self.finish_reason = final.finish_reason or "stop"
+                self._ended()
                 yield Delta(text, new_ids, self.finish_reason, logprobs)
                 return
             if text or new_ids:

@@ -619,20 +619,22 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 async def _create(request: web.Request, gw: Gateway) -> web.StreamResponse:
     arrival = time.monotonic()
+    gw.refuse_when_full()  # before reading: a full gateway answers a burst at once
     body = parse_json(await read_body(request, gw.config.body_timeout_s))
     enabled = gw.config.enable_responses_store
     previous = None
     if enabled and isinstance(body.get("previous_response_id"), str):
         previous = await load_response(gw, body["previous_response_id"])
-    call = await asyncio.to_thread(
-        parse_responses, body, gw.tokenizer, gw.tool_settings, enabled, previous
-    )
-    async with gw.admit():
+    async with gw.admit(), gw.setting_up() as set_up:
+        call = await asyncio.to_thread(
+            parse_responses, body, gw.tokenizer, gw.tool_settings, enabled, previous
+        )
         limits = gw.limits(await gw.wait_for_ledger())
         job = resolve(call.job, limits)
         created_at = int(time.time())
         gone = lambda: client_gone(request)  # noqa: E731
         async with Generation(gw, job, gone, arrival, call.response_id) as gen:
+            set_up()  # on the stream: the next request's turn
             if job.stream:
                 return await _stream(request, gw, call, gen, limits.model_name, created_at)
             text = "".join([delta.text async for delta in gen.deltas()])

@@ -9,7 +9,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,6 +37,11 @@ STALL_POLL_S = 1.0  # waiting requests share one status read a second
 STATUS_MAX_AGE_S = 0.1  # coalesces status reads when many requests arrive at once
 LEDGER_POLL_S = 0.1
 RETRY_AFTER_S = 1
+# Admitted requests set up at once (tokenized, checked against the ledger, first sequences put
+# on the stream); the others wait their turn, in order of arrival. Each setup is a few loop
+# turns, so a burst set up all at once makes every turn as long as the burst is large; this
+# many keep Redis busy and a turn short. vLLM's tokenizer batches hold 32 too.
+SETUP_CONCURRENCY = 16
 
 
 def default_gateway_id() -> str:
@@ -71,6 +76,7 @@ class Gateway:
         self.streams = self.routing.primary
         self.outputs: OutputDispatcher = self.routing.outputs
         self.in_flight = 0  # sequences (one per choice or best_of candidate), not HTTP requests
+        self._setup_turns = asyncio.Semaphore(SETUP_CONCURRENCY)
         self.closing = False
         self._status: LedgerStatus | None = None
         self._status_read_at = -1e9
@@ -225,6 +231,32 @@ class Gateway:
             yield
         finally:
             self.in_flight -= places
+
+    @asynccontextmanager
+    async def setting_up(self) -> AsyncIterator[Callable[[], None]]:
+        """An admitted request's turn to be set up, one of SETUP_CONCURRENCY at a time; the
+        callable it yields ends the turn early (once its first sequences are on the stream),
+        leaving does otherwise.
+
+        Why a bound: an asyncio loop runs, in each turn, every callback that became ready
+        before it. A burst's admitted requests, set up together, each put a step (a body
+        parsed, a tokenization's result, a status read, an XADD's reply, a pooled connection)
+        into the same turns, so a turn lasts as long as the burst is large, and /health, which
+        needs three or four turns, waited seconds. Bounded, a turn holds at most this many
+        setups' steps whatever the burst, and the pool needs no more connections than that."""
+        await self._setup_turns.acquire()
+        held = True
+
+        def done() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._setup_turns.release()
+
+        try:
+            yield done
+        finally:
+            done()
 
     def _refuse_past_max_queue(self, places: int) -> None:
         if self.in_flight + places <= self.config.max_queue:

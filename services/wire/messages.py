@@ -329,6 +329,7 @@ class LedgerStatus(Message, tag="ledger_status"):
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     costs: RoutingCosts | None = None  # for routers: measured step costs and the queue
+    max_num_seqs: int = 0  # sequences in one step (0: a ledger that does not say)
 
 
 class StoredResponse(Message, tag="stored_response"):

@@ -1,13 +1,14 @@
 """A large fan-out cannot starve a small request (issue 22): through the real gateway, ledger
-and worker, a request sent while `n=60` runs on a batch of 4 is served after at most the
-fan-out's window of sequences (gateway.fanout), not after all 60, and the fan-out's choices are
-the same whether paced or not (seeded samples)."""
+and worker, `n=60` on a batch of 4 keeps at most half the batch in flight
+(gateway.fanout.in_flight_bound), so a request sent meanwhile is admitted at once and waits for
+no running sequence of the fan-out to end; and the fan-out's choices are the same whether paced
+or not (seeded samples)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.fanout import FANOUT_WINDOW
+from gateway.fanout import in_flight_bound
 from services.transport import redis_streams
 from services.wire import codec
 from services.wire.messages import OutputBatch
@@ -29,9 +30,15 @@ async def test_a_request_sent_during_a_large_fan_out_is_not_queued_behind_it(red
                     json={"prompt": "fan out", "n": N, "seed": 3, "request_id": "fan", **common},
                 )
             )
-            while len(stack.ledger.scheduler.requests) < FANOUT_WINDOW:  # the fan-out is in
+            bound = in_flight_bound(stack.ledger.status())
+            assert bound == BATCH // 2
+            while len(stack.ledger.scheduler.requests) < bound:  # the fan-out is in
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)  # enqueued at once, all of it would be in by now
+            peak = 0
+            for _ in range(30):  # enqueued at once, all of it would be in by now
+                peak = max(peak, len(stack.ledger.scheduler.requests))
+                await asyncio.sleep(0.01)
+            assert peak <= bound  # half the batch, no more
             outputs = stack.streams.outputs("gw-stack")
             sent_at = (await stack.r.xrevrange(outputs, count=1))[0][0]
             solo = await client.post(
@@ -50,10 +57,10 @@ async def test_a_request_sent_during_a_large_fan_out_is_not_queued_behind_it(red
         for out in codec.decode(fields[redis_streams.FIELD], OutputBatch).outputs
         if out.finished
     ]
-    # The fan-out's sequences that finished between the solo request's arrival and its end: it
-    # queued behind the window of waiting children and the batch running when it came, not
-    # behind the whole fan-out (most of its N sequences when enqueued all at once).
+    # The fan-out's sequences that finished between the solo request's arrival and its end: the
+    # ones running when it came (half the batch), not the window queued ahead of it and a whole
+    # batch's worth (20 with the window alone), nor most of N (enqueued all at once).
     ahead = next(i for i, r in enumerate(finished) if r.startswith("cmpl-solo"))
     print(f"{ahead} of the fan-out's {N} sequences finished while the solo request waited")
-    assert ahead <= FANOUT_WINDOW + 2 * BATCH
+    assert ahead <= bound + 2  # 20 of 60 before, with the window alone
     assert len(body["choices"]) == N and body["usage"]["completion_tokens"] == 24 * N

@@ -22,6 +22,7 @@ from services.wire.messages import (
     LedgerStatus,
     OutputBatch,
     RequestOutput,
+    RoutingCosts,
     TokenLogprobs,
 )
 
@@ -145,10 +146,13 @@ class FakeLedger:
     vocab_size: int = 258
     num_workers: int = 1
     scheduling_policy: str = "fcfs"
+    max_num_seqs: int = 0  # in its status: 0 says nothing of its batch
+    costs: RoutingCosts | None = None
     metrics: dict[str, float] | None = None
     replica: str = "default"
     requests: list[GenerateRequest] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
+    peak_answering: int = 0  # the most requests it was answering at once (neither done nor aborted)
 
     async def __aenter__(self) -> FakeLedger:
         self.streams = StreamNames(self.prefix, self.replica)
@@ -173,7 +177,8 @@ class FakeLedger:
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, block_size=16,
             num_gpu_blocks=100, capacity_line="KV cache size: 1600 tokens", hash_algo="sha256",
             num_workers=self.num_workers, num_running=len(self._answers), metrics=self.metrics,
-            scheduling_policy=self.scheduling_policy,
+            scheduling_policy=self.scheduling_policy, max_num_seqs=self.max_num_seqs,
+            costs=self.costs,
         )  # fmt: skip
 
     async def _write_status(self) -> None:
@@ -205,6 +210,7 @@ class FakeLedger:
             self.requests.append(msg)
             if not self.script.silent:
                 self._answers[msg.req_id] = asyncio.create_task(self._answer(msg))
+                self.peak_answering = max(self.peak_answering, len(self._answers))
 
     async def _answer(self, req: GenerateRequest) -> None:
         stream = self.streams.outputs(req.gateway_id)

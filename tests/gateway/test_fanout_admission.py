@@ -9,11 +9,11 @@ import asyncio
 import time
 
 from gateway import generate
-from gateway.fanout import FANOUT_WINDOW
+from gateway.fanout import FANOUT_WINDOW, in_flight_bound
 from gateway.prompts import MAX_N_SEQUENCES
 from services.transport import redis_streams
 from services.wire import codec
-from services.wire.messages import OutputBatch, RequestOutput
+from services.wire.messages import LedgerStatus, OutputBatch, RequestOutput, RoutingCosts
 from tests.gateway.fake_ledger import Script
 from tests.gateway.helpers import GATEWAY_ID, assert_error
 
@@ -116,6 +116,85 @@ async def test_a_fan_out_keeps_a_window_of_sequences_waiting_on_the_ledger(
     await asyncio.sleep(0.3)
     assert len(ledger.requests) == FANOUT_WINDOW + 3
     assert {a.req_id for a in ledger.aborts} == {r.req_id for r in ledger.requests}
+
+
+async def test_a_fan_out_holds_at_most_half_the_ledgers_batch_in_flight(
+    start_gateway, start_ledger, redis, prefix
+):
+    """On a ledger whose steps hold 12 sequences (max_num_seqs, from its status), a fan-out of
+    40 keeps at most 6 in flight (enqueued, not ended): the next goes in as one ends, not as
+    one starts. Before, started ones were replaced at once, and the fan-out filled the batch."""
+    ledger = await start_ledger(Script(silent=True), max_num_seqs=12)
+    client = await start_gateway(max_queue=64)
+    task = asyncio.ensure_future(
+        client.post("/v1/completions", json={"prompt": "x", "n": 40, "max_tokens": 2})
+    )
+    outputs = f"{prefix}:{{default}}:outputs:{GATEWAY_ID}"
+
+    async def answer(reqs: list, finished: bool) -> None:
+        for req in reqs:
+            out = RequestOutput(req.req_id, [72], position=int(finished), num_prompt_tokens=2)
+            out.finished, out.finish_reason = finished, "length" if finished else None
+            await redis.xadd(outputs, {redis_streams.FIELD: codec.encode(OutputBatch([out]))})
+
+    await ledger.wait_for_requests(6)
+    await asyncio.sleep(0.5)
+    assert len(ledger.requests) == 6
+    await answer(ledger.requests[:6], finished=False)  # every one starts: none more goes in
+    await asyncio.sleep(0.5)
+    assert len(ledger.requests) == 6
+    await answer(ledger.requests[:2], finished=True)  # two end: two more go in
+    await ledger.wait_for_requests(8)
+    await asyncio.sleep(0.5)
+    assert len(ledger.requests) == 8
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_fan_out_whose_sequences_stop_on_a_stop_string_stays_within_its_bound(
+    start_gateway, start_ledger
+):
+    """A sequence the gateway ends (its stop string) is aborted on the ledger at once, not when
+    the whole response ends, so the next one going in does not take the fan-out past its bound
+    on the ledger (before, each stopped one ran on to max_tokens there: all 20 at once)."""
+    ledger = await start_ledger(Script(delay_s=0.02), max_num_seqs=8)  # a bound of 4
+    client = await start_gateway(max_queue=64)
+    body = {"prompt": "x", "n": 20, "max_tokens": 60, "stop": "from"}
+    resp = await client.post("/v1/completions", json=body)
+    answer = await resp.json()
+    assert resp.status == 200, answer
+    assert {c["text"] for c in answer["choices"]} == {"Hello "}
+    assert {c["finish_reason"] for c in answer["choices"]} == {"stop"}
+    assert ledger.peak_answering <= 4, ledger.peak_answering
+    assert len(ledger.aborts) == 20 and {a.reason for a in ledger.aborts} == {"stop_string"}
+
+
+def _status(max_num_seqs: int, costs: RoutingCosts | None = None) -> LedgerStatus:
+    return LedgerStatus(
+        epoch="e", started_at=0.0, updated_at=0.0, model_name="m", max_model_len=64,
+        vocab_size=258, block_size=16, num_gpu_blocks=100, capacity_line="", hash_algo="sha256",
+        num_workers=1, max_num_seqs=max_num_seqs, costs=costs,
+    )  # fmt: skip
+
+
+def test_the_in_flight_bound_follows_the_ledgers_batch_and_measured_step_costs():
+    # A ledger that does not say what its steps hold: no bound (the window only).
+    assert in_flight_bound(None) is None and in_flight_bound(_status(0)) is None
+    # Step costs not measured yet: half the batch.
+    assert in_flight_bound(_status(64)) == 32
+    assert in_flight_bound(_status(64, RoutingCosts(step_base_s=0.1))) == 32
+    # Measured on the CPU (benchmarks/fanout.py's worker: 0.1 s a step, 10.5 ms a sequence):
+    # 9 sequences double a step; never fewer than the window.
+    cpu = RoutingCosts(step_base_s=0.0977, step_s_per_seq=0.0106)
+    assert in_flight_bound(_status(64, cpu)) == FANOUT_WINDOW
+    # An accelerator's step hardly grows with its sequences: half the batch binds.
+    accelerator = RoutingCosts(step_base_s=0.012, step_s_per_seq=0.00004)
+    assert in_flight_bound(_status(256, accelerator)) == 128
+    # In between: what doubles a step.
+    assert in_flight_bound(_status(256, RoutingCosts(step_base_s=0.05, step_s_per_seq=0.001))) == 50
+    # A batch smaller than the window: half of it, at least one.
+    assert in_flight_bound(_status(4, cpu)) == 2
+    assert in_flight_bound(_status(1)) == 1
 
 
 async def test_a_fan_out_past_the_window_is_answered_whole(start_gateway, start_ledger):

@@ -10,7 +10,7 @@ import time
 import aiohttp
 
 from gateway.app import redis_pool_size
-from gateway.state import GATEWAY
+from gateway.state import GATEWAY, SETUP_CONCURRENCY
 from services.transport import redis_streams
 from tests.gateway.fake_ledger import TEXT, Script
 
@@ -41,6 +41,40 @@ async def test_more_requests_than_redis_pools_default_cap_are_all_served(
     assert {reply["choices"][0]["text"] for _, reply in replies} == {TEXT[:4]}
     # The gateway's pool stays within its bound (plus the fake ledger's and this test's).
     assert len(clients) <= redis_pool_size(256) + 8
+
+
+async def test_a_burst_of_admitted_requests_is_set_up_a_few_at_a_time(
+    start_gateway, start_ledger, redis_url
+):
+    """Admitted at once, set up SETUP_CONCURRENCY at a time (tokenized, checked against the
+    ledger, enqueued): with Redis writes paused each setup under way waits on its XADD holding
+    a pooled connection of its own, so the connections the burst adds count them. Before, all
+    160 were under way at once, every step of each in the same loop turns as the others'."""
+    await start_ledger(Script(delay_s=0.05))
+    client = await start_gateway(max_queue=256, request_timeout_s=60.0)
+    gw = client.app[GATEWAY]
+    admin = redis_streams.connect(redis_url)
+    await client.get("/health")  # the pool's first connections: the status read, the reader
+    at_rest = len(await admin.client_list())
+    await admin.execute_command("CLIENT", "PAUSE", 2000, "WRITE")
+    body = {"prompt": "x", "max_tokens": 4}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one() -> int:
+            async with session.post(client.make_url("/v1/completions"), json=body) as resp:
+                await resp.read()
+                return resp.status
+
+        burst = [asyncio.create_task(one()) for _ in range(CONCURRENT)]
+        async with asyncio.timeout(10):
+            while gw.in_flight < CONCURRENT:  # every one admitted, holding its place
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the setups under way reach their XADD
+        added = len(await admin.client_list()) - at_rest
+        statuses = await asyncio.gather(*burst)
+    await admin.aclose()
+    assert added <= SETUP_CONCURRENCY + 2, added
+    assert statuses == [200] * CONCURRENT
 
 
 def test_the_pool_is_sized_from_max_queue_and_capped():
