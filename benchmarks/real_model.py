@@ -189,8 +189,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="--cpu-threads for the worker (default: its own choice), also "
                         "used for transformers")  # fmt: skip
+    parser.add_argument("--sizes", default="1,16",
+                        help="request counts to measure, of 1 and 16 (default: both)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/real_model.json")
     args = parser.parse_args()
+    sizes = [int(n) for n in args.sizes.split(",")]
+    if not sizes or any(n not in TARGETS for n in sizes):
+        parser.error(f"--sizes: counts among {sorted(TARGETS)}, got {args.sizes!r}")
     # The worker's OpenMP wait policy (gpu_worker/threads.py), for transformers too: set before
     # torch loads, and inherited by the stack.
     policy = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -209,10 +214,10 @@ def main() -> int:
         # Warm-up, and the greedy texts both sides must agree on.
         _, ours_texts = asyncio.run(kvledger_run(stack.url, prompts, args.new_tokens))
         transformers_run(hf, tok, prompts[:1], args.new_tokens)
-        samples: dict[str, list[float]] = {f"{side}-{n}": [] for side in ("kvledger", "transformers") for n in (1, 16)}  # fmt: skip
+        samples: dict[str, list[float]] = {f"{side}-{n}": [] for side in ("kvledger", "transformers") for n in sizes}  # fmt: skip
         hf_all: list[str] = []
         for rep in range(args.repeats):
-            for n in (1, 16):
+            for n in sizes:
                 batch = prompts[:n]
                 sides = (
                     ["kvledger", "transformers"] if rep % 2 == 0 else ["transformers", "kvledger"]
@@ -230,9 +235,11 @@ def main() -> int:
     finally:
         stack.stop()
     load_after = os.getloadavg()
+    if not hf_all:  # 16 not measured: the texts to compare, once
+        _, hf_all = transformers_run(hf, tok, prompts, args.new_tokens)
     same = sum(a == b for a, b in zip(ours_texts, hf_all, strict=True))
     rows, summary = [], {}
-    for n in (1, 16):
+    for n in sizes:
         ours, theirs = samples[f"kvledger-{n}"], samples[f"transformers-{n}"]
         ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
         summary[n] = {"kvledger_tok_s": spread(ours), "transformers_tok_s": spread(theirs),

@@ -1,11 +1,19 @@
-"""How many torch threads a CPU worker runs: the cores this process may use, shared among the
-workers on the host, unless --cpu-threads (KVLEDGER_CPU_THREADS) says otherwise; and how they
-wait.
+"""How many torch threads a CPU worker runs: the cores this process may use, less the cores left
+to the processes beside it, shared among the workers on the host, unless --cpu-threads
+(KVLEDGER_CPU_THREADS) says otherwise; and how they wait.
 
 "May use": the CPU affinity mask (`taskset`, `docker --cpuset-cpus`), capped by a cgroup v2 CPU
 quota (`docker --cpus`), which the affinity mask does not show. `kvledger up` tells each worker
 how many workers it starts (KVLEDGER_WORKERS_ON_HOST: replicas x tensor-parallel ranks), so N
 workers on one machine do not each claim every core.
+
+"Less the cores left": Redis, the ledger and the gateway run beside the workers under `kvledger
+up`, a little each step. A torch thread they preempt holds every other thread at the next
+barrier, so their CPU costs the worker its whole time, not a share: SmolLM2 decoding one request
+through `kvledger up` on 2 cores ran at 0.91x transformers' speed with 2 threads, where one
+thread computes a batch-1 decode step as fast (the step reads every weight once: memory-bound).
+vLLM's CPU backend reserves cores for its API server the same way (VLLM_CPU_NUM_OF_RESERVED_CPU);
+here --cpu-reserved-cores (KVLEDGER_CPU_RESERVED_CORES), 0 for a worker alone, 1 under `up`.
 
 How they wait: torch's OpenMP threads spin between parallel regions by default. On a CPU shared
 with other work (the ledger, the gateway, other processes) a spinning thread takes the core the
@@ -38,7 +46,8 @@ class ThreadPlan:
     threads: int
     usable_cores: int
     workers_on_host: int
-    source: str  # "flag": --cpu-threads / KVLEDGER_CPU_THREADS; "cores": usable / workers
+    source: str  # "flag": --cpu-threads / KVLEDGER_CPU_THREADS; "cores": the cores' share
+    reserved_cores: int = 0
 
 
 def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
@@ -66,12 +75,15 @@ def cgroup_cpu_quota(cpu_max: Path = CGROUP_CPU_MAX) -> int | None:
         return None
 
 
-def plan_threads(requested: int | None, workers_on_host: int = 1) -> ThreadPlan:
+def plan_threads(
+    requested: int | None, workers_on_host: int = 1, reserved_cores: int = 0
+) -> ThreadPlan:
     cores = usable_cores()
     workers = max(1, workers_on_host)
+    reserved = max(0, reserved_cores)
     if requested is not None:
-        return ThreadPlan(requested, cores, workers, "flag")
-    return ThreadPlan(max(1, cores // workers), cores, workers, "cores")
+        return ThreadPlan(requested, cores, workers, "flag", reserved)
+    return ThreadPlan(max(1, (cores - reserved) // workers), cores, workers, "cores", reserved)
 
 
 def prefer_passive_openmp_wait() -> str:
@@ -81,7 +93,10 @@ def prefer_passive_openmp_wait() -> str:
 
 
 def configure_cpu_threads(
-    device: torch.device, requested: int | None = None, workers_on_host: int = 1
+    device: torch.device,
+    requested: int | None = None,
+    workers_on_host: int = 1,
+    reserved_cores: int = 0,
 ) -> ThreadPlan | None:
     """Set torch's intra-op threads for a CPU worker and log the figure; None on a GPU (the
     CPU then only feeds the device, and torch's default stands)."""
@@ -89,13 +104,14 @@ def configure_cpu_threads(
 
     if device.type != "cpu":
         return None
-    plan = plan_threads(requested, workers_on_host)
+    plan = plan_threads(requested, workers_on_host, reserved_cores)
     torch.set_num_threads(plan.threads)
     log.info(
         "cpu_threads",
         threads=plan.threads,
         usable_cores=plan.usable_cores,
         workers_on_host=plan.workers_on_host,
+        reserved_cores=plan.reserved_cores,
         source=plan.source,
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset"),
     )

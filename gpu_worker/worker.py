@@ -308,7 +308,9 @@ async def serve(config: WorkerConfig) -> None:
     `StartupError` with one line that says what to change."""
     assert config.redis_url, "the caller checks that there is a Redis to talk to"
     device = resolve_device(config.device)
-    configure_cpu_threads(device, config.cpu_threads, config.workers_on_host)
+    configure_cpu_threads(
+        device, config.cpu_threads, config.workers_on_host, config.cpu_reserved_cores
+    )
     try:
         tp = TensorParallel(config.tp_rank, config.tp_size)
     except TensorParallelError as exc:

@@ -165,6 +165,9 @@ def _child_env(args: argparse.Namespace, redis_url: str, metrics_port: int) -> d
     env_.pop("KVLEDGER_REDIS_URL_FILE", None)  # resolved here: the children get the URL itself
     # Each CPU worker takes its share of the cores it may use (gpu_worker/threads.py).
     env_["KVLEDGER_WORKERS_ON_HOST"] = str(args.replicas * args.tensor_parallel_size)
+    # ...less a core for Redis, the ledger and the gateway, which run beside them here: a torch
+    # thread they preempt holds up every other at the next barrier (gpu_worker/threads.py).
+    env_.setdefault("KVLEDGER_CPU_RESERVED_CORES", "1")
     device = args.device or env_.get("KVLEDGER_DEVICE", "auto")
     if (
         args.kv_cache_memory_bytes is None

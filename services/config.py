@@ -216,6 +216,13 @@ def _optional_positive_int(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else _positive_int(text)
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"{text!r}: must be at least 0")
+    return value
+
+
 def _optional_bytes(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none") else parse_bytes(text)
 
@@ -632,9 +639,17 @@ class WorkerConfig(CommonConfig, EngineShape):
     cpu_threads: int | None = _opt(
         "KVLEDGER_CPU_THREADS",
         None,
-        "torch threads of a CPU worker (default: the cores this process may use, divided by "
-        "--workers-on-host)",
+        "torch threads of a CPU worker (default: the cores this process may use, less "
+        "--cpu-reserved-cores, divided by --workers-on-host)",
         _optional_positive_int,
+    )
+    cpu_reserved_cores: int = _opt(
+        "KVLEDGER_CPU_RESERVED_CORES",
+        0,
+        "cores a CPU worker leaves to the processes beside it (Redis, the ledger, the gateway) "
+        "when it sizes its threads, as vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU (kvledger up sets 1: "
+        "it starts them on this host)",
+        _non_negative_int,
     )
     workers_on_host: int = _opt(
         "KVLEDGER_WORKERS_ON_HOST",

@@ -61,6 +61,15 @@ def test_workers_share_the_cores_and_the_flag_wins():
     assert (flagged.threads, flagged.source, flagged.workers_on_host) == (3, "flag", 2)
 
 
+def test_reserved_cores_come_off_before_the_workers_share():
+    cores = usable_cores()
+    plan = plan_threads(None, 1, 1)
+    assert (plan.threads, plan.reserved_cores) == (max(1, cores - 1), 1)
+    assert plan_threads(None, 2, 1).threads == max(1, (cores - 1) // 2)
+    assert plan_threads(None, 1, cores + 5).threads == 1  # never zero
+    assert plan_threads(4, 1, cores).threads == 4  # the flag wins
+
+
 def test_configure_sets_torch_and_logs_the_figure():
     before = torch.get_num_threads()
     try:
@@ -70,6 +79,7 @@ def test_configure_sets_torch_and_logs_the_figure():
         (line,) = [entry for entry in logs if entry["event"] == "cpu_threads"]
         assert line["threads"] == plan.threads and line["source"] == "cores"
         assert line["usable_cores"] == usable_cores() and line["workers_on_host"] == 1
+        assert line["reserved_cores"] == 0
         assert configure_cpu_threads(torch.device("cpu"), 1, 4).threads == 1  # type: ignore[union-attr]
         assert torch.get_num_threads() == 1
         assert configure_cpu_threads(torch.device("meta"), 7, 1) is None  # not a CPU worker

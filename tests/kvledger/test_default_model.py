@@ -48,6 +48,7 @@ def test_cpu_threads_flag_and_environment(monkeypatch):
 
 def test_up_passes_threads_and_its_worker_count_down(monkeypatch):
     monkeypatch.delenv("KVLEDGER_CPU_THREADS", raising=False)
+    monkeypatch.delenv("KVLEDGER_CPU_RESERVED_CORES", raising=False)
     args = build_parser().parse_args(["up", "--replicas", "2", "-tp", "2", "--cpu-threads", "3"])
     env = _child_env(args, "redis://127.0.0.1:1/0", 9100)
     assert env["KVLEDGER_WORKERS_ON_HOST"] == "4"
@@ -58,6 +59,20 @@ def test_up_passes_threads_and_its_worker_count_down(monkeypatch):
     assert env["KVLEDGER_WORKERS_ON_HOST"] == "1" and "--cpu-threads" not in role_flags(
         args, "worker"
     )
+    # A core left to Redis, the ledger and the gateway it starts beside the workers...
+    assert env["KVLEDGER_CPU_RESERVED_CORES"] == "1"
+    assert (
+        from_arguments(WorkerConfig, build_parser().parse_args(["worker"])).cpu_reserved_cores == 0
+    )
+    monkeypatch.setenv("KVLEDGER_CPU_RESERVED_CORES", "0")  # ...unless the environment says
+    assert _child_env(args, "redis://127.0.0.1:1/0", 9100)["KVLEDGER_CPU_RESERVED_CORES"] == "0"
+    args = build_parser().parse_args(["up", "--cpu-reserved-cores", "2"])  # or the flag
+    flags = role_flags(args, "worker")
+    assert flags[flags.index("--cpu-reserved-cores") + 1] == "2"
+    with pytest.raises(ConfigError, match="--cpu-reserved-cores: '-1': must be at least 0"):
+        from_arguments(
+            WorkerConfig, build_parser().parse_args(["worker", "--cpu-reserved-cores", "-1"])
+        )
 
 
 def test_the_banner_asks_a_chat_question():
