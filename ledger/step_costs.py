@@ -46,17 +46,9 @@ class StepCostEstimator:
     ) -> None:
         self._keep = 0.5 ** (1.0 / step_half_life)
         self._queue_keep = 0.5 ** (1.0 / queue_half_life)
-        # Decayed sums of x x^T (upper triangle) and x y for x = (1, prefill/1000, decode/100):
-        # scaled so that the three columns are of like size and the 3x3 solve stays well posed.
-        self._xx = [0.0] * 6  # 11 12 13 22 23 33
-        self._xy = [0.0] * 3
-        self._prefill_weight = 0.0  # decayed count of steps that prefilled
-        self._decode_weight = 0.0
         self._queue_sum = 0.0
         self._queue_weight = 0.0
-        self.steps = 0
-        self._estimate: StepCosts | None = None  # until the next observation
-        self._skip = 0  # steps still to leave out after `restart`
+        self.restart()
 
     def restart(self, skip_steps: int = 0) -> None:
         """Forget every step: the workers changed, and the old ones' speed says nothing of the
@@ -65,12 +57,15 @@ class StepCostEstimator:
         few dozen steps would read as a slow replica for minutes, and a router would stop
         sending it the requests that could correct it. The queue wait is kept: it is the
         replica's, not its workers'."""
-        self._xx = [0.0] * 6
+        # Decayed sums of x x^T (upper triangle) and x y for x = (1, prefill/1000, decode/100):
+        # scaled so that the three columns are of like size and the 3x3 solve stays well posed.
+        self._xx = [0.0] * 6  # 11 12 13 22 23 33
         self._xy = [0.0] * 3
-        self._prefill_weight = self._decode_weight = 0.0
+        self._prefill_weight = 0.0  # decayed count of steps that prefilled
+        self._decode_weight = 0.0
         self.steps = 0
-        self._skip = skip_steps
-        self._estimate = None
+        self._skip = skip_steps  # steps still to leave out
+        self._estimate: StepCosts | None = None  # until the next observation
 
     def observe_step(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
         if seconds <= 0 or (prefill_tokens <= 0 and decode_seqs <= 0):
