@@ -149,14 +149,22 @@ class ByteTokenizer:
         return out.decode("utf-8", errors="replace")
 
 
-def tokenizer_of(case: dict[str, Any]) -> Any:
-    if not case.get("tokenizer"):
-        return None
-    if case["tokenizer"] == "bytes":
-        return ByteTokenizer()
-    from vllm.tokenizers import get_tokenizer
+_TOKENIZERS: dict[str, Any] = {}
 
-    return get_tokenizer(case["tokenizer"])
+
+def tokenizer_of(case: dict[str, Any]) -> Any:
+    """One tokenizer per folder for the whole run: vLLM's get_tokenizer reads the folder's model
+    config first and, finding none (a tokenizer folder), retries after a 2 s sleep each time."""
+    name = case.get("tokenizer")
+    if not name:
+        return None
+    if name == "bytes":
+        return ByteTokenizer()
+    if name not in _TOKENIZERS:
+        from vllm.tokenizers import get_tokenizer
+
+        _TOKENIZERS[name] = get_tokenizer(name)
+    return _TOKENIZERS[name]
 
 
 async def answer(case: dict[str, Any]) -> list[dict[str, Any]]:
