@@ -21,6 +21,13 @@ sequences they hold. Hence the bound, from the serving ledger's own measured ste
 
 The price: a fan-out alone runs at most that many sequences at a time (about half its
 throughput at the most, where the first bound binds).
+
+That bound is the fan-out's alone. Beside other requests it is shared (`Shares`): each of the
+gateway's requests in flight gets an equal part, at least one sequence, so a fan-out beside 16
+normal requests keeps one sequence in flight, not 16, and its sequences that end are not
+replaced while the others run (steps on the CPU cost more the more sequences they hold: beside
+a fan-out that kept its whole bound, the normal requests' steps held twice their sequences).
+A request that leaves gives its part back: the fan-outs take up the room again at once.
 """
 
 from __future__ import annotations
@@ -47,6 +54,33 @@ def in_flight_bound(status: LedgerStatus | None) -> int | None:
     return max(1, bound)
 
 
+class Shares:
+    """The gateway's requests in flight (admitted, not yet answered), among which each
+    fan-out's bound is shared; a fan-out waiting for room is woken when one leaves."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self._waiting: set[asyncio.Event] = set()
+
+    def enter(self) -> None:
+        self.requests += 1
+
+    def leave(self) -> None:
+        self.requests -= 1
+        for wake in self._waiting:
+            wake.set()
+
+    def wake_on_leave(self, event: asyncio.Event) -> None:
+        self._waiting.add(event)
+
+    def forget(self, event: asyncio.Event) -> None:
+        self._waiting.discard(event)
+
+    def part(self, bound: int) -> int:
+        """A request's part of `bound`: an equal share among the requests in flight, at least 1."""
+        return max(1, bound // max(1, self.requests))
+
+
 class FanOut:
     """`await fan.start()` enqueues the first window (its errors raise there, as for a single
     request); the rest follow from a task; `await fan.close()` before the generations exit."""
@@ -57,27 +91,54 @@ class FanOut:
         stack: contextlib.AsyncExitStack,
         window: int = FANOUT_WINDOW,
         bound: int | None = None,
+        shares: Shares | None = None,
     ) -> None:
         self.gens = gens
         self.stack = stack
         self.window = window if bound is None else min(window, bound)
         self.free = asyncio.Semaphore(self.window)  # waiting for their first output
-        self.room = asyncio.Semaphore(bound) if bound is not None else None  # not yet ended
+        self.bound = bound
+        self.shares = shares
+        self.in_flight = 0  # enqueued, not yet ended
+        self._room = asyncio.Event()  # set when one ends or a request leaves the gateway
         self.task: asyncio.Task | None = None
 
+    def limit(self) -> int | None:
+        """How many of its sequences may be in flight now (None: no bound)."""
+        if self.bound is None:
+            return None
+        return self.bound if self.shares is None else self.shares.part(self.bound)
+
     async def start(self) -> None:
-        for gen in self.gens[: self.window]:
+        first = min(self.window, self.limit() or self.window)
+        for gen in self.gens[:first]:
             await self._enter(gen)
-        if len(self.gens) > self.window:
-            self.task = asyncio.create_task(self._enter_rest(self.gens[self.window :]))
+        if len(self.gens) > first:
+            self.task = asyncio.create_task(self._enter_rest(self.gens[first:]))
 
     async def _enter(self, gen: Generation) -> None:
-        if self.room is not None:
-            await self.room.acquire()
-            gen.on_ended = self.room.release
+        await self._wait_for_room()
+        self.in_flight += 1
+        gen.on_ended = self._ended
         await self.free.acquire()
         gen.on_started = self.free.release
         await self.stack.enter_async_context(gen)
+
+    async def _wait_for_room(self) -> None:
+        while (limit := self.limit()) is not None and self.in_flight >= limit:
+            self._room.clear()
+            if self.shares is None:
+                await self._room.wait()
+                continue
+            self.shares.wake_on_leave(self._room)
+            try:
+                await self._room.wait()
+            finally:
+                self.shares.forget(self._room)
+
+    def _ended(self) -> None:
+        self.in_flight -= 1
+        self._room.set()
 
     async def _enter_rest(self, rest: list[Generation]) -> None:
         for i, gen in enumerate(rest):

@@ -18,6 +18,7 @@ from aiohttp import web
 from opentelemetry.trace import Tracer
 from redis.exceptions import RedisError
 
+from gateway.fanout import Shares
 from gateway.fields import ApiError
 from gateway.output_reader import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
@@ -76,6 +77,7 @@ class Gateway:
         self.streams = self.routing.primary
         self.outputs: OutputDispatcher = self.routing.outputs
         self.in_flight = 0  # sequences (one per choice or best_of candidate), not HTTP requests
+        self.shares = Shares()  # the requests in flight, among which a fan-out's bound is shared
         self._setup_turns = asyncio.Semaphore(SETUP_CONCURRENCY)
         self.closing = False
         self._status: LedgerStatus | None = None
@@ -227,10 +229,12 @@ class Gateway:
         self._refuse_when_closing()
         self._refuse_past_max_queue(places)
         self.in_flight += places
+        self.shares.enter()
         try:
             yield
         finally:
             self.in_flight -= places
+            self.shares.leave()
 
     @asynccontextmanager
     async def setting_up(self) -> AsyncIterator[Callable[[], None]]:
