@@ -36,6 +36,12 @@ log = get_logger("gateway")
 
 STALL_POLL_S = 1.0  # waiting requests share one status read a second
 STATUS_MAX_AGE_S = 0.1  # coalesces status reads when many requests arrive at once
+# /health and /ping answer from a status read this recently. The ledger rewrites the key about
+# once a second, so such a read misses at most one of its writes; read afresh for every probe,
+# a probe waited for a Redis round trip and three or four more loop turns (the read's task, the
+# reply, the shield, the handler's resumption), each a wait for the CPU on a loaded host: during
+# a burst that was most of its time (benchmarks/burst.py: max 76-225 ms against 15-75 ms).
+PROBE_MAX_AGE_S = 1.0
 LEDGER_POLL_S = 0.1
 RETRY_AFTER_S = 1
 # Admitted requests set up at once (tokenized, checked against the ledger, first sequences put
