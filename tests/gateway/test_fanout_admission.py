@@ -234,9 +234,12 @@ def test_the_in_flight_bound_follows_the_ledgers_batch_and_measured_step_costs()
     assert in_flight_bound(_status(64)) == 32
     assert in_flight_bound(_status(64, RoutingCosts(step_base_s=0.1))) == 32
     # Measured on the CPU (benchmarks/fanout.py's worker: 0.1 s a step, 10.5 ms a sequence):
-    # 9 sequences double a step; never fewer than the window.
+    # 9 sequences double a step (16 before: the window was a floor, and normal requests beside
+    # the fan-out's first sequences ran in steps of twice their own sequences).
     cpu = RoutingCosts(step_base_s=0.0977, step_s_per_seq=0.0106)
-    assert in_flight_bound(_status(64, cpu)) == FANOUT_WINDOW
+    assert in_flight_bound(_status(64, cpu)) == 9
+    # A sequence that costs more than a step's fixed part: one at a time.
+    assert in_flight_bound(_status(64, RoutingCosts(step_base_s=0.01, step_s_per_seq=0.02))) == 1
     # An accelerator's step hardly grows with its sequences: half the batch binds.
     accelerator = RoutingCosts(step_base_s=0.012, step_s_per_seq=0.00004)
     assert in_flight_bound(_status(256, accelerator)) == 128
