@@ -42,6 +42,7 @@ import contextlib
 import math
 
 from gateway.inflight import Generation
+from gateway.shares import Shares
 from services.wire.messages import LedgerStatus
 
 FANOUT_WINDOW = 16
@@ -57,33 +58,6 @@ def in_flight_bound(status: LedgerStatus | None) -> int | None:
     if costs is not None and costs.step_s_per_seq > 0:  # measured
         bound = min(bound, math.floor(costs.step_base_s / costs.step_s_per_seq))
     return max(1, bound)
-
-
-class Shares:
-    """The gateway's requests in flight (admitted, not yet answered), among which each
-    fan-out's bound is shared; a fan-out waiting for room is woken when one leaves."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self._waiting: set[asyncio.Event] = set()
-
-    def enter(self) -> None:
-        self.requests += 1
-
-    def leave(self) -> None:
-        self.requests -= 1
-        for wake in self._waiting:
-            wake.set()
-
-    def wake_on_leave(self, event: asyncio.Event) -> None:
-        self._waiting.add(event)
-
-    def forget(self, event: asyncio.Event) -> None:
-        self._waiting.discard(event)
-
-    def part(self, bound: int) -> int:
-        """A request's part of `bound`: an equal share among the requests in flight, at least 1."""
-        return max(1, bound // max(1, self.requests))
 
 
 class FanOut:

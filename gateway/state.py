@@ -18,11 +18,11 @@ from aiohttp import web
 from opentelemetry.trace import Tracer
 from redis.exceptions import RedisError
 
-from gateway.fanout import Shares
 from gateway.fields import ApiError
 from gateway.output_reader import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
 from gateway.router import routing_for
+from gateway.shares import Shares
 from gateway.tools import ConfigProblem, ToolSettings
 from observability import GatewayMetrics, LedgerSnapshot, get_logger, lean_tracer, new_registry
 from services.config import GatewayConfig
