@@ -23,7 +23,7 @@ from gateway.bodies import error_body
 from gateway.fields import ApiError
 from gateway.generate import chat_completions, completions
 from gateway.responses_api import add_responses_routes
-from gateway.state import GATEWAY, Gateway
+from gateway.state import GATEWAY, PROBE_MAX_AGE_S, Gateway
 from gateway.utility import add_utility_routes, model_body
 from observability import (
     get_logger,
@@ -248,7 +248,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    status = await gw.ledger_status(max_age_s=0)
+    status = await gw.ledger_status(max_age_s=PROBE_MAX_AGE_S)
     gateway = {"gateway_id": gw.gateway_id, "in_flight": gw.in_flight, "settings": gw.settings()}
     if replicas := gw.routing.describe():
         gateway["replicas"] = replicas

@@ -119,7 +119,7 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
                         gen.route = gw.routing.pin(job, gen.req_id, first.route.replica)
                     gens.append(gen)
                 async with contextlib.AsyncExitStack() as stack:
-                    fan = FanOut(gens, stack, bound=in_flight_bound(status))
+                    fan = FanOut(gens, stack, bound=in_flight_bound(status), shares=gw.shares)
                     try:
                         await fan.start()
                         set_up()  # its first sequences are on the stream: the next one's turn

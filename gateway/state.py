@@ -22,6 +22,7 @@ from gateway.fields import ApiError
 from gateway.output_reader import SHUTDOWN, OutputDispatcher
 from gateway.protocol import Limits
 from gateway.router import routing_for
+from gateway.shares import Shares
 from gateway.tools import ConfigProblem, ToolSettings
 from observability import GatewayMetrics, LedgerSnapshot, get_logger, lean_tracer, new_registry
 from services.config import GatewayConfig
@@ -35,6 +36,12 @@ log = get_logger("gateway")
 
 STALL_POLL_S = 1.0  # waiting requests share one status read a second
 STATUS_MAX_AGE_S = 0.1  # coalesces status reads when many requests arrive at once
+# /health and /ping answer from a status read this recently. The ledger rewrites the key about
+# once a second, so such a read misses at most one of its writes; read afresh for every probe,
+# a probe waited for a Redis round trip and three or four more loop turns (the read's task, the
+# reply, the shield, the handler's resumption), each a wait for the CPU on a loaded host: during
+# a burst that was most of its time (benchmarks/burst.py: max 76-225 ms against 15-75 ms).
+PROBE_MAX_AGE_S = 1.0
 LEDGER_POLL_S = 0.1
 RETRY_AFTER_S = 1
 # Admitted requests set up at once (tokenized, checked against the ledger, first sequences put
@@ -76,6 +83,7 @@ class Gateway:
         self.streams = self.routing.primary
         self.outputs: OutputDispatcher = self.routing.outputs
         self.in_flight = 0  # sequences (one per choice or best_of candidate), not HTTP requests
+        self.shares = Shares()  # the requests in flight, among which a fan-out's bound is shared
         self._setup_turns = asyncio.Semaphore(SETUP_CONCURRENCY)
         self.closing = False
         self._status: LedgerStatus | None = None
@@ -227,10 +235,12 @@ class Gateway:
         self._refuse_when_closing()
         self._refuse_past_max_queue(places)
         self.in_flight += places
+        self.shares.enter()
         try:
             yield
         finally:
             self.in_flight -= places
+            self.shares.leave()
 
     @asynccontextmanager
     async def setting_up(self) -> AsyncIterator[Callable[[], None]]:

@@ -24,7 +24,7 @@ from gateway.fields import (
 from gateway.generate import read_body
 from gateway.openapi import openapi_document
 from gateway.protocol import parse_json
-from gateway.state import Gateway
+from gateway.state import PROBE_MAX_AGE_S, Gateway
 from gateway.support import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from gateway.tools import read_tools
 from services.tokenization.tokenizer import ChatTemplateError
@@ -86,7 +86,7 @@ def add_utility_routes(app: web.Application, gateway_key: web.AppKey[Gateway]) -
     async def ping(request: web.Request) -> web.Response:
         # vLLM's /ping is its /health: 200 with an empty body while the engine can serve.
         gw = request.app[gateway_key]
-        status = await gw.ledger_status(max_age_s=0)
+        status = await gw.ledger_status(max_age_s=PROBE_MAX_AGE_S)
         ready = status is not None and status.num_workers and gw.routing.not_ready() is None
         return web.Response(status=200 if ready else 503)
 

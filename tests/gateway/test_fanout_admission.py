@@ -151,6 +151,56 @@ async def test_a_fan_out_holds_at_most_half_the_ledgers_batch_in_flight(
     await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_fan_out_shares_its_bound_with_the_requests_beside_it(
+    start_gateway, start_ledger, redis, prefix
+):
+    """A bound of 6 (a batch of 12), shared among the gateway's requests in flight: beside two
+    normal requests the fan-out's part is 6 // 3 = 2, so of its 6 sequences in flight, 4 that
+    end are not replaced (before, each was at once: the normal requests' steps kept holding 6
+    of the fan-out's); once the normal requests are answered, it takes its whole bound again."""
+    ledger = await start_ledger(Script(silent=True), max_num_seqs=12)
+    client = await start_gateway(max_queue=64)
+    fan = asyncio.ensure_future(
+        client.post("/v1/completions", json={"prompt": "x", "n": 40, "max_tokens": 2})
+    )
+    outputs = f"{prefix}:{{default}}:outputs:{GATEWAY_ID}"
+
+    async def finish(reqs: list) -> None:
+        for req in reqs:
+            out = RequestOutput(req.req_id, [72], position=0, num_prompt_tokens=2)
+            out.finished, out.finish_reason = True, "length"
+            await redis.xadd(outputs, {redis_streams.FIELD: codec.encode(OutputBatch([out]))})
+
+    await ledger.wait_for_requests(6)
+    fan_outs = list(ledger.requests)
+    normals = [
+        asyncio.ensure_future(
+            client.post("/v1/completions", json={"prompt": f"normal {i}", "max_tokens": 1})
+        )
+        for i in range(2)
+    ]
+    await ledger.wait_for_requests(8)
+    await asyncio.sleep(0.3)
+    assert len(ledger.requests) == 8
+    beside = ledger.requests[6:]
+    assert {r.req_id for r in beside}.isdisjoint(r.req_id for r in fan_outs)
+    await finish(fan_outs[:4])  # 2 of the fan-out's left in flight: its part, no more goes in
+    await asyncio.sleep(0.5)
+    assert len(ledger.requests) == 8, [r.prompt_token_ids for r in ledger.requests[8:]]
+    await finish(fan_outs[4:5])  # 1 left: one more goes in
+    await ledger.wait_for_requests(9)
+    await asyncio.sleep(0.5)
+    assert len(ledger.requests) == 9
+    await finish(beside)
+    assert [(await n).status for n in normals] == [200, 200]
+    # Alone again: its whole bound of 6, of which 2 are in flight, so 4 more go in.
+    await ledger.wait_for_requests(13)
+    await asyncio.sleep(0.5)
+    assert len(ledger.requests) == 13
+    fan.cancel()
+    await asyncio.gather(fan, return_exceptions=True)
+
+
 async def test_a_fan_out_whose_sequences_stop_on_a_stop_string_stays_within_its_bound(
     start_gateway, start_ledger
 ):
@@ -184,9 +234,12 @@ def test_the_in_flight_bound_follows_the_ledgers_batch_and_measured_step_costs()
     assert in_flight_bound(_status(64)) == 32
     assert in_flight_bound(_status(64, RoutingCosts(step_base_s=0.1))) == 32
     # Measured on the CPU (benchmarks/fanout.py's worker: 0.1 s a step, 10.5 ms a sequence):
-    # 9 sequences double a step; never fewer than the window.
+    # 9 sequences double a step (16 before: the window was a floor, and normal requests beside
+    # the fan-out's first sequences ran in steps of twice their own sequences).
     cpu = RoutingCosts(step_base_s=0.0977, step_s_per_seq=0.0106)
-    assert in_flight_bound(_status(64, cpu)) == FANOUT_WINDOW
+    assert in_flight_bound(_status(64, cpu)) == 9
+    # A sequence that costs more than a step's fixed part: one at a time.
+    assert in_flight_bound(_status(64, RoutingCosts(step_base_s=0.01, step_s_per_seq=0.02))) == 1
     # An accelerator's step hardly grows with its sequences: half the batch binds.
     accelerator = RoutingCosts(step_base_s=0.012, step_s_per_seq=0.00004)
     assert in_flight_bound(_status(256, accelerator)) == 128

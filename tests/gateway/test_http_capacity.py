@@ -5,12 +5,13 @@ by a burst, and /health answering while the gateway refuses one."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import aiohttp
 
 from gateway.app import redis_pool_size
-from gateway.state import GATEWAY, SETUP_CONCURRENCY
+from gateway.state import GATEWAY, PROBE_MAX_AGE_S, SETUP_CONCURRENCY
 from services.transport import redis_streams
 from tests.gateway.fake_ledger import TEXT, Script
 
@@ -110,6 +111,25 @@ async def test_concurrent_status_reads_share_one_get(start_gateway, start_ledger
         # A read after the shared one has finished is a new one.
         await gw.ledger_status(max_age_s=0)
         assert await _gets(admin) == 3
+    finally:
+        await admin.aclose()
+
+
+async def test_probes_answer_from_a_recent_status_read(start_gateway, start_ledger, redis_url):
+    """/health and /ping answer from a status read within PROBE_MAX_AGE_S, so a probe costs no
+    Redis round trip (before, each sent a GET and waited for it: a probe every 50 ms during a
+    burst waited for Redis and the loop turns around its reply, each a wait for the CPU)."""
+    await start_ledger()
+    client = await start_gateway()
+    admin = redis_streams.connect(redis_url)
+    try:
+        await admin.config_resetstat()
+        started = time.monotonic()
+        for _ in range(20):
+            assert (await client.get("/health")).status == 200
+            assert (await client.get("/ping")).status == 200
+        windows = math.ceil((time.monotonic() - started) / PROBE_MAX_AGE_S)
+        assert await _gets(admin) <= windows  # one read a window at most (40 before)
     finally:
         await admin.aclose()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from gateway.state import PROBE_MAX_AGE_S
 from tests.gateway.fake_ledger import Script
 from tests.gateway.helpers import assert_error, read_sse
 
@@ -67,7 +68,11 @@ async def test_health_is_not_ready_without_workers(start_gateway, start_ledger):
     assert (await client.get("/health")).status == 200
     ledger.num_workers = 0
     await ledger._write_status()
-    resp = await client.get("/health")
+    # Probes answer from a status read within PROBE_MAX_AGE_S: the change shows within that.
+    deadline = time.monotonic() + PROBE_MAX_AGE_S + 5
+    while (resp := await client.get("/health")).status == 200:
+        assert time.monotonic() < deadline, "/health never said 503"
+        await asyncio.sleep(0.05)
     assert resp.status == 503
     body = await resp.json()
     assert body["status"] == "unavailable"
