@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from gateway import create_app, serve
+from gateway.state import PROBE_MAX_AGE_S
 from observability import Attr, LedgerSnapshot
 from services.transport import redis_streams
 from services.transport.keys import StreamNames
@@ -154,8 +155,11 @@ async def test_health_reports_the_ledger_or_503(start_gateway, start_ledger):
     body = await resp.json()
     assert body["status"] == "unavailable" and "no ledger is running" in body["message"]
     await start_ledger()
-    resp = await client.get("/health")
-    assert resp.status == 200
+    # /health answers from a status read at most PROBE_MAX_AGE_S ago: the ledger shows by then.
+    deadline = asyncio.get_running_loop().time() + PROBE_MAX_AGE_S + 2.0
+    while (resp := await client.get("/health")).status != 200:
+        assert asyncio.get_running_loop().time() < deadline, await resp.text()
+        await asyncio.sleep(0.1)
     body = await resp.json()
     assert body["status"] == "ok" and body["gateway_id"] == GATEWAY_ID
     assert body["ledger"]["model_name"] == "fake-model"
