@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Generic
 
 from ledger.capacity import cdiv
@@ -521,9 +522,10 @@ class Scheduler(Generic[P]):
                 if async_scheduling:
                     request.num_output_placeholders += 1
 
-        # The connector reads the step before it advances (as vLLM's build_connector_meta).
+        # The connector reads the step before it advances (as vLLM's build_connector_meta):
+        # with one, the requests advance once it has.
         connector = self.connector
-        later: list[Request[P]] | None = None if connector is None else []
+        advance_now = connector is None
         for request in scheduled_running:
             request_id = request.request_id
             num_tokens = len(request.all_token_ids)
@@ -537,10 +539,8 @@ class Scheduler(Generic[P]):
                     num_computed,
                 )
             )
-            if later is None:
+            if advance_now:
                 advance(request, num_scheduled_tokens[request_id])
-            else:
-                later.append(request)
         for request in scheduled_new:
             request_id = request.request_id
             num_computed = request.num_computed_tokens
@@ -552,18 +552,16 @@ class Scheduler(Generic[P]):
                     num_computed_tokens=num_computed,
                 )
             )
-            if later is None:
+            if advance_now:
                 advance(request, num_scheduled_tokens[request_id])
-            else:
-                later.append(request)
-        if connector is not None and later is not None:
+        if connector is not None:
             meta = out.kv_transfers = connector.build_connector_meta(out)
             for job_id, job in meta.load_jobs.items():
                 self.load_jobs[job_id] = job.req_id
                 self.num_loaded_blocks += len(job.dst)
             for job in meta.store_jobs.values():
                 self.num_stored_blocks += len(job.src)
-            for request in later:
+            for request in chain(scheduled_running, scheduled_new):
                 advance(request, num_scheduled_tokens[request.request_id])
         self.num_prompt_tokens_computed += prompt_computed
 

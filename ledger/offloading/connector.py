@@ -66,8 +66,17 @@ class JobStatus:
 
 @dataclass(slots=True)
 class RequestState:
+    """The connector's notes on one request.
+
+    `offload_keys` follows the request's block hashes lazily: brought up to date where keys are
+    read (a lookup, a store), not as each decode step fills a block. `block_ids` follows the
+    blocks the scheduler output hands the request, every step. `max_stored_idx` is the chunk
+    count past which nothing is offered (the prompt's full blocks under offload_prompt_only).
+    """
+
     request: Request
     context: RequestContext
+    max_stored_idx: int
     offload_keys: list[OffloadKey] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     next_stored_idx: int = 0  # the first chunk not yet stored (or not to be stored)
@@ -114,15 +123,35 @@ class OffloadingConnectorScheduler:
         self._batch_load_jobs: dict[int, TransferJob] = {}
         self._batch_jobs_to_flush: set[int] = set()
         self._batch_allocated: set[int] = set()
+        # The requests with chunks still to offer (next_stored_idx < max_stored_idx): the only
+        # scheduled ones a step's stores visit. Under offload_prompt_only a request leaves it
+        # once its prompt's blocks are offered, so decoding requests cost the stores nothing.
+        self.offering: set[str] = set()
 
     def _new_job_id(self) -> int:
         self.next_job_id += 1
         return self.next_job_id - 1
 
+    def _set_next_stored(self, state: RequestState, index: int) -> None:
+        state.next_stored_idx = index
+        if index < state.max_stored_idx:
+            self.offering.add(state.request.request_id)
+        else:
+            self.offering.discard(state.request.request_id)
+
+    def _forget_request(self, req_id: str) -> None:
+        del self.requests[req_id]
+        self.offering.discard(req_id)
+
     def on_new_request(self, request: Request) -> None:
         context = RequestContext(request.request_id)
         self.manager.on_new_request(context)
-        self.requests[request.request_id] = RequestState(request, context)
+        # Past the prompt's full blocks nothing is offered (offload_prompt_only); else no limit.
+        limit = (
+            request.num_prompt_tokens // self.block_size if self.offload_prompt_only else 1 << 62
+        )
+        state = self.requests[request.request_id] = RequestState(request, context, limit)
+        self._set_next_stored(state, 0)
 
     # --- admission ---
 
@@ -132,7 +161,7 @@ class OffloadingConnectorScheduler:
         """(tokens the tier can load past num_computed_tokens or None to retry, load is async)."""
         state = self.requests[request.request_id]
         state.block_ids.clear()
-        state.next_stored_idx = 0  # starting over: every chunk is offered again
+        self._set_next_stored(state, 0)  # starting over: every chunk is offered again
         if state.transfer_jobs:
             return None, False
         state.update_offload_keys(self.block_size)
@@ -192,7 +221,7 @@ class OffloadingConnectorScheduler:
                 break
         keys = state.offload_keys[load_start:num_gpu_blocks] if num_gpu_blocks > load_start else []
         # Loaded chunks are in the tier already: never offered back.
-        state.next_stored_idx = num_gpu_blocks
+        self._set_next_stored(state, num_gpu_blocks)
         chunk_ids = self.manager.prepare_load(keys, state.context)
         dst = [block.block_id for block in blocks[load_start:num_gpu_blocks]]
         job_id = self._new_job_id()
@@ -230,27 +259,25 @@ class OffloadingConnectorScheduler:
             state.finished_signaled = True
             self.manager.on_request_finished(state.context)
             if not state.transfer_jobs:
-                del self.requests[req_id]
+                self._forget_request(req_id)
         self._batch_load_jobs = {}
         self._batch_jobs_to_flush = set()
         self._batch_allocated = set()
         return meta
 
     def _update_request_states(self, output: SchedulerOutput) -> None:
-        block_size, requests, allocated = self.block_size, self.requests, self._batch_allocated
+        """Each scheduled request's blocks (its keys are brought up to date where they are
+        read). At 1,000 running requests, most of them decoding, this is the connector's only
+        visit to every one: a test of whether it was handed a block."""
+        requests, allocated = self.requests, self._batch_allocated
         for new in output.scheduled_new_reqs:
-            state = requests[new.request.request_id]
-            state.update_offload_keys(block_size)
-            state.block_ids[:] = new.block_ids
-            allocated.update(b for b in new.block_ids if b != 0)
-        # Once a step per running request (most of them decoding): only what changed is touched.
+            requests[new.request.request_id].block_ids[:] = new.block_ids
+            allocated.update(new.block_ids)
         for cached in output.scheduled_cached_reqs:
-            state = requests[cached.request.request_id]
-            if len(state.request.block_hashes) > len(state.offload_keys):
-                state.update_offload_keys(block_size)
             if cached.new_block_ids:
-                state.block_ids.extend(cached.new_block_ids)
-                allocated.update(b for b in cached.new_block_ids if b != 0)
+                requests[cached.request.request_id].block_ids.extend(cached.new_block_ids)
+                allocated.update(cached.new_block_ids)
+        allocated.discard(0)  # the null block (sliding windows) is never written
 
     def _num_offloadable_tokens(self, request: Request, num_tokens: int) -> int:
         num = min(num_tokens, request.num_tokens)
@@ -259,14 +286,15 @@ class OffloadingConnectorScheduler:
     def _build_store_jobs(self, output: SchedulerOutput) -> dict[int, TransferJob]:
         block_size = self.block_size
         store_jobs: dict[int, TransferJob] = {}
-        prompt_only = self.offload_prompt_only
-        for req_id in chain(output.num_scheduled_tokens, output.finished_req_ids):
+        # The scheduled requests with chunks still to offer, in the output's order (the others,
+        # decoding requests whose prompt is offered, have nothing to store), then the finished.
+        offering = self.offering
+        scheduled = filter(offering.__contains__, output.num_scheduled_tokens) if offering else ()
+        for req_id in chain(scheduled, output.finished_req_ids):
             state = self.requests.get(req_id)
-            if state is None:
+            if state is None or state.next_stored_idx >= state.max_stored_idx:
                 continue
             request = state.request
-            if prompt_only and state.next_stored_idx >= request.num_prompt_tokens // block_size:
-                continue  # every prompt chunk offered: nothing more to store (decoding requests)
             if request.status == RequestStatus.FINISHED_ABORTED:
                 num_tokens = request.num_computed_tokens
             elif request.is_finished:
@@ -275,6 +303,8 @@ class OffloadingConnectorScheduler:
             else:
                 num_tokens = request.num_computed_tokens + output.num_scheduled_tokens[req_id]
             num_offloadable = self._num_offloadable_tokens(request, num_tokens)
+            if len(request.block_hashes) > len(state.offload_keys):
+                state.update_offload_keys(block_size)
             num_chunks = state.storable_chunks(num_offloadable, block_size)
             start = state.next_stored_idx
             offered = [
@@ -287,13 +317,13 @@ class OffloadingConnectorScheduler:
                 if block_id != 0
             ]
             if not offered:
-                state.next_stored_idx = max(start, num_chunks)
+                self._set_next_stored(state, max(start, num_chunks))
                 continue
             stored = self.manager.prepare_store(offered, state.context)
             if stored is None:
                 continue  # nothing evictable: offered again next step
             if not stored.keys_to_store:
-                state.next_stored_idx = max(start, num_chunks)
+                self._set_next_stored(state, max(start, num_chunks))
                 continue
             keys_to_store = set(stored.keys_to_store)
             source_index: int | None = None
@@ -303,7 +333,7 @@ class OffloadingConnectorScheduler:
                 if state.offload_keys[index] in keys_to_store and block_id != 0:
                     source_index = index if source_index is None else source_index
                     source.append(block_id)
-            state.next_stored_idx = max(start, num_chunks)
+            self._set_next_stored(state, max(start, num_chunks))
             job_id = self._new_job_id()
             assert all(self.jobs[j].is_store for j in state.transfer_jobs), "store while loading"
             state.transfer_jobs.add(job_id)
@@ -347,7 +377,7 @@ class OffloadingConnectorScheduler:
             del self.jobs[job_id]
             state.transfer_jobs.remove(job_id)
             if state.finished_signaled and not state.transfer_jobs:
-                del self.requests[job.req_id]
+                self._forget_request(job.req_id)
 
     def _forget_pending(self, job_id: int, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -361,8 +391,6 @@ class OffloadingConnectorScheduler:
         state = self.requests.get(request.request_id)
         if state is None:
             return False, None
-        # Its last block hashes, for the stores the next step builds.
-        state.update_offload_keys(self.block_size)
         for job_id in state.transfer_jobs:
             for block_id in self.jobs[job_id].source_block_ids:
                 self.block_to_pending_jobs.setdefault(block_id, set()).add(job_id)
@@ -399,10 +427,10 @@ class OffloadingConnectorScheduler:
             if state.request.is_finished:
                 if not state.finished_signaled:
                     self.manager.on_request_finished(state.context)
-                del self.requests[req_id]
+                self._forget_request(req_id)
         self.manager.reset_cache()
         for state in self.requests.values():
-            state.next_stored_idx = 0
+            self._set_next_stored(state, 0)
             state.transfer_jobs.clear()
         self.stale_job_threshold = self.next_job_id
         self.reset_fence.update((job_id, job.pending_workers) for job_id, job in self.jobs.items())

@@ -143,3 +143,48 @@ def test_reset_forgets_the_tier_and_ignores_the_old_jobs_reports() -> None:
     meta = step(conn, running=((a, [], 4),))
     [(_, store)] = meta.store_jobs.items()
     assert (store.src, store.dst) == ([1, 2], [0, 1])
+
+
+def test_a_decoding_request_offers_its_prompt_again_after_a_reset_from_its_blocks_now() -> None:
+    # Once its prompt is offered, a decoding request has nothing to store and the steps' stores
+    # pass it by; after a reset (every chunk offered again) it is visited again, and its prompt
+    # is stored from the GPU blocks that hold it.
+    conn = tier()
+    a = make("a", list(range(8)))
+    admit(conn, a, [1, 2])
+    [job_id] = step(conn, ((a, [1, 2], 8),)).store_jobs
+    conn.update_connector_output({job_id: 1})
+    a.num_computed_tokens = 8
+    for token in range(100, 104):  # decodes: block 3 handed out, filled, hashed
+        a.append_output_token_ids(token)
+        meta = step(conn, running=((a, [3] if token == 100 else [], 1),))
+        assert meta.store_jobs == {} and meta.load_jobs == {}
+        a.num_computed_tokens += 1
+    conn.reset_cache()
+    [(_, store)] = step(conn, running=((a, [4], 1),)).store_jobs.items()
+    assert (store.src, store.dst, store.first_block_index) == ([1, 2], [0, 1], 0)
+    assert len(conn.manager.policy.chunks) == 2  # the prompt's two blocks, not the decoded one
+
+
+def test_without_prompt_only_a_decoded_block_is_stored_under_its_hash_once_full() -> None:
+    # Keys follow the request's block hashes only where they are read: the decoded block's
+    # key is made when the step that fills it offers it.
+    conn = OffloadingConnectorScheduler(
+        CPUOffloadingManager(8, enable_events=True), BS, offload_prompt_only=False
+    )
+    a = make("a", list(range(4)))
+    admit(conn, a, [1])
+    [job_id] = step(conn, ((a, [1], 4),)).store_jobs
+    conn.update_connector_output({job_id: 1})
+    a.num_computed_tokens = 4
+    a.append_output_token_ids(100)
+    assert step(conn, running=((a, [2], 1),)).store_jobs == {}  # block 2 not full yet
+    a.num_computed_tokens = 5
+    a.append_output_token_ids([101, 102, 103])
+    [(job_id, store)] = step(conn, running=((a, [], 3),)).store_jobs.items()
+    assert (store.src, store.dst, store.first_block_index) == ([2], [1], 1)
+    conn.update_connector_output({job_id: 1})
+    key = make_offload_key(a.block_hashes[1])
+    assert conn.manager.lookup(key).name == "HIT"
+    stored = [e for e in conn.take_events() if type(e).__name__ == "BlockStored"]
+    assert len(stored) == 2
