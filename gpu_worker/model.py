@@ -159,6 +159,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One call where both are float32 (the CPU's serving dtype): the same arithmetic,
+            # bit for bit (tests/gpu_worker/test_model.py), ~4 us less each of a step's 61 norms.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and scale in the input dtype, as transformers does, so that
         # half-precision checkpoints round the same way.
         x32 = x.float()
@@ -187,7 +191,11 @@ class FusedLinear:
             start += size
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.matmul(x).split(self.sizes, dim=-1)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The stacked outputs [T, sum(sizes)], unsplit."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class LlamaAttention(nn.Module):
@@ -221,14 +229,19 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache | None,
         plan: AttentionPlan | None,
     ) -> torch.Tensor:
-        n = x.shape[0]
+        n, heads, d = x.shape[0], self.num_heads, self.head_dim
         if self.qkv is not None:
-            q, k, v = self.qkv(x)
+            # q and k side by side in the fused output: rotated by one apply_rope (half the
+            # small ops a layer at batch 1, the same arithmetic element by element)
+            qkv = self.qkv.matmul(x)
+            qk = apply_rope(qkv[:, : (heads + self.num_kv_heads) * d].view(n, -1, d), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, (heads + self.num_kv_heads) * d :].view(n, self.num_kv_heads, d)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+            q = apply_rope(q.view(n, heads, d), cos, sin)
+            k = apply_rope(k.view(n, self.num_kv_heads, d), cos, sin)
+            v = v.view(n, self.num_kv_heads, d)
         if kv_cache is None or plan is None:
             out = self._dense(q, k, v)
         else:

@@ -6,9 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from gpu_worker.checkpoint import load_model
-from gpu_worker.model import LlamaForCausalLM, ModelConfig, ModelConfigError, rope_inv_freq
+from gpu_worker.model import (
+    LlamaForCausalLM,
+    ModelConfig,
+    ModelConfigError,
+    RMSNorm,
+    rope_inv_freq,
+)
 from services.tokenization.tokenizer import ByteTokenizer
 
 HF_LLAMA = dict(
@@ -155,3 +162,19 @@ def test_fused_projections_compute_the_same_and_keep_the_checkpoint_names(bias):
     q_size = attention.q_proj.weight.shape[0]
     k_size = attention.k_proj.weight.shape[0]
     assert attention.qkv.weight[q_size : q_size + k_size].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_rounds_as_transformers_does(dtype):
+    """float32 takes one fused call; every dtype must give transformers' LlamaRMSNorm bits."""
+    torch.manual_seed(3)
+    for size in (64, 576, 2048):
+        norm = RMSNorm(size, 1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(size) * 0.5 + 1)
+        norm = norm.to(dtype)
+        theirs = LlamaRMSNorm(size, eps=1e-5).to(dtype)
+        theirs.weight.data.copy_(norm.weight.data)
+        for rows in (1, 7, 300):
+            x = (torch.randn(rows, size) * torch.logspace(-2, 2, rows)[:, None]).to(dtype)
+            assert torch.equal(norm(x), theirs(x)), (size, rows)
