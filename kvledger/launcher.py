@@ -33,6 +33,7 @@ from services.config import (
     add_arguments,
     flag_fields,
     flag_of,
+    from_arguments,
     offloading_config,
     parse_kv_events_config,
     parse_kv_transfer_config,
@@ -228,12 +229,6 @@ def check_offloading(args: argparse.Namespace) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     server = None
-    if args.cpu_threads is not None and args.cpu_threads < 1:
-        print(
-            f"kvledger up: --cpu-threads must be at least 1, got {args.cpu_threads}",
-            file=sys.stderr,
-        )
-        return 2
     # Checked before anything starts: one line here, not a traceback from a child.
     try:
         resolve_model(args.model or env("KVLEDGER_MODEL") or DEFAULT_MODEL)
@@ -244,6 +239,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_url = redis_url_of(args)
         kv_events = kv_events_config_of(args)
         check_offloading(args)
+        from_arguments(WorkerConfig, args)  # the worker's flags (--cpu-threads, ...), parsed once
     except ConfigError as exc:
         print(f"kvledger up: {exc}", file=sys.stderr)
         return 2

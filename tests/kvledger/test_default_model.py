@@ -82,15 +82,19 @@ def test_the_banner_asks_a_chat_question():
 
 
 @pytest.mark.parametrize(
-    ("model", "message"),
+    ("model", "extra", "message"),
     [
-        ("default", "say 'tiny' for the seeded random tiny Llama"),
-        ("/nowhere/model.gguf", "GGUF file /nowhere/model.gguf does not exist"),
+        ("default", [], "say 'tiny' for the seeded random tiny Llama"),
+        ("/nowhere/model.gguf", [], "GGUF file /nowhere/model.gguf does not exist"),
+        # a worker flag that parses reaches the model's check (it once raised a TypeError)
+        ("/nowhere/model.gguf", ["--cpu-threads", "2"], "GGUF file /nowhere/model.gguf"),
+        ("tiny", ["--cpu-threads", "0"], "--cpu-threads: '0': must be at least 1"),
+        ("tiny", ["--cpu-reserved-cores", "-1"], "--cpu-reserved-cores: '-1': must be at least 0"),
     ],
 )
-def test_up_refuses_a_model_that_names_nothing_in_one_line(model, message):
+def test_up_refuses_a_model_or_worker_flag_that_cannot_serve_in_one_line(model, extra, message):
     done = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", "up", "--model", model, "--port", "1"],
+        [sys.executable, "-m", "kvledger.cli", "up", "--model", model, "--port", "1", *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
