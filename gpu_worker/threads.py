@@ -9,9 +9,10 @@ workers on one machine do not each claim every core.
 
 "Less the cores left": Redis, the ledger and the gateway run beside the workers under `kvledger
 up`, a little each step. A torch thread they preempt holds every other thread at the next
-barrier, so their CPU costs the worker its whole time, not a share: SmolLM2 decoding one request
-through `kvledger up` on 2 cores ran at 0.91x transformers' speed with 2 threads, where one
-thread computes a batch-1 decode step as fast (the step reads every weight once: memory-bound).
+barrier, so their CPU can cost the worker its whole time, not a share; and a batch-1 decode step
+reads every weight once (memory-bound), so a second thread buys it little. SmolLM2, one request
+through `kvledger up` against transformers on a quiet 2-core machine (benchmarks/real_model.py):
+1.02x with the reserved core (1 thread each), 1.04x with 2 threads each; 16 at once, 5.5x.
 vLLM's CPU backend reserves cores for its API server the same way (VLLM_CPU_NUM_OF_RESERVED_CPU);
 here --cpu-reserved-cores (KVLEDGER_CPU_RESERVED_CORES), 0 for a worker alone, 1 under `up`.
 
