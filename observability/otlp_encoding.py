@@ -138,6 +138,14 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     return b"".join(parts)
 
 
+def _counted_attributes(tag: bytes, dropped_tag: bytes, attributes: Any) -> bytes:
+    """A span's, event's or link's attributes (field `tag`) and, when the SDK's limits dropped
+    some, their count (field `dropped_tag`)."""
+    encoded = _attributes(tag, attributes)
+    dropped = _dropped(attributes)
+    return encoded + dropped_tag + _varint(dropped) if dropped else encoded
+
+
 def _dropped(container: Any) -> int:
     """What the SDK's bounded containers counted as dropped (plain ones drop nothing)."""
     kind = type(container)
@@ -202,18 +210,11 @@ def encode_span(span: ReadableSpan) -> bytes:
     parts.append(b"\x39" + _pack_fixed64(start or 0))
     parts.append(b"\x41" + _pack_fixed64(end or 0))
     if attributes:
-        parts.append(_attributes(b"\x4a", attributes))
-        dropped = _dropped(attributes)
-        if dropped:
-            parts.append(b"\x50" + _varint(dropped))
+        parts.append(_counted_attributes(b"\x4a", b"\x50", attributes))
     if events:
         for event in events:
             body = b"\x09" + _pack_fixed64(event.timestamp) + _string(b"\x12", event.name)
-            event_attributes = event.attributes
-            body += _attributes(b"\x1a", event_attributes)
-            dropped = _dropped(event_attributes)
-            if dropped:
-                body += b"\x20" + _varint(dropped)
+            body += _counted_attributes(b"\x1a", b"\x20", event.attributes)
             parts.append(_length_delimited(b"\x5a", body))
         dropped = _dropped(events)
         if dropped:
@@ -223,11 +224,7 @@ def encode_span(span: ReadableSpan) -> bytes:
             link_context = link.context
             body = b"\x0a\x10" + link_context.trace_id.to_bytes(16, "big")
             body += b"\x12\x08" + link_context.span_id.to_bytes(8, "big")
-            link_attributes = link.attributes
-            body += _attributes(b"\x22", link_attributes)
-            dropped = _dropped(link_attributes)
-            if dropped:
-                body += b"\x28" + _varint(dropped)
+            body += _counted_attributes(b"\x22", b"\x28", link.attributes)
             body += _LINK_FLAGS_REMOTE if link_context.is_remote else _LINK_FLAGS_LOCAL
             parts.append(_length_delimited(b"\x6a", body))
         dropped = _dropped(links)
