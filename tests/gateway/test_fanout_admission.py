@@ -91,18 +91,14 @@ async def test_a_fan_out_keeps_a_window_of_sequences_waiting_on_the_ledger(
     task = asyncio.ensure_future(
         client.post("/v1/completions", json={"prompt": "x", "n": total, "max_tokens": 2})
     )
-    await ledger.wait_for_requests(FANOUT_WINDOW)
-    await asyncio.sleep(0.5)
-    assert len(ledger.requests) == FANOUT_WINDOW  # the rest wait for a sequence to start
+    await _settles_at(ledger, FANOUT_WINDOW)  # the rest wait for a sequence to start
 
     # Three sequences start (their first token): three more are enqueued, no others.
     outputs = f"{prefix}:{{default}}:outputs:{GATEWAY_ID}"
     for req in ledger.requests[:3]:
         first = RequestOutput(req.req_id, [72], position=0, num_prompt_tokens=2)
         await redis.xadd(outputs, {redis_streams.FIELD: codec.encode(OutputBatch([first]))})
-    await ledger.wait_for_requests(FANOUT_WINDOW + 3)
-    await asyncio.sleep(0.5)
-    assert len(ledger.requests) == FANOUT_WINDOW + 3
+    await _settles_at(ledger, FANOUT_WINDOW + 3)
     # Seeds in order, one per sample, as when enqueued at once.
     assert len({r.req_id for r in ledger.requests}) == FANOUT_WINDOW + 3
 
@@ -137,16 +133,12 @@ async def test_a_fan_out_holds_at_most_half_the_ledgers_batch_in_flight(
             out.finished, out.finish_reason = finished, "length" if finished else None
             await redis.xadd(outputs, {redis_streams.FIELD: codec.encode(OutputBatch([out]))})
 
-    await ledger.wait_for_requests(6)
-    await asyncio.sleep(0.5)
-    assert len(ledger.requests) == 6
+    await _settles_at(ledger, 6)
     await answer(ledger.requests[:6], finished=False)  # every one starts: none more goes in
     await asyncio.sleep(0.5)
     assert len(ledger.requests) == 6
     await answer(ledger.requests[:2], finished=True)  # two end: two more go in
-    await ledger.wait_for_requests(8)
-    await asyncio.sleep(0.5)
-    assert len(ledger.requests) == 8
+    await _settles_at(ledger, 8)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 
@@ -188,15 +180,11 @@ async def test_a_fan_out_shares_its_bound_with_the_requests_beside_it(
     await asyncio.sleep(0.5)
     assert len(ledger.requests) == 8, [r.prompt_token_ids for r in ledger.requests[8:]]
     await finish(fan_outs[4:5])  # 1 left: one more goes in
-    await ledger.wait_for_requests(9)
-    await asyncio.sleep(0.5)
-    assert len(ledger.requests) == 9
+    await _settles_at(ledger, 9)
     await finish(beside)
     assert [(await n).status for n in normals] == [200, 200]
     # Alone again: its whole bound of 6, of which 2 are in flight, so 4 more go in.
-    await ledger.wait_for_requests(13)
-    await asyncio.sleep(0.5)
-    assert len(ledger.requests) == 13
+    await _settles_at(ledger, 13)
     fan.cancel()
     await asyncio.gather(fan, return_exceptions=True)
 
@@ -217,6 +205,13 @@ async def test_a_fan_out_whose_sequences_stop_on_a_stop_string_stays_within_its_
     assert {c["finish_reason"] for c in answer["choices"]} == {"stop"}
     assert ledger.peak_answering <= 4, ledger.peak_answering
     assert len(ledger.aborts) == 20 and {a.reason for a in ledger.aborts} == {"stop_string"}
+
+
+async def _settles_at(ledger, count: int) -> None:
+    """The ledger gets `count` requests and, half a second on, still no more."""
+    await ledger.wait_for_requests(count)
+    await asyncio.sleep(0.5)
+    assert len(ledger.requests) == count
 
 
 def _status(max_num_seqs: int, costs: RoutingCosts | None = None) -> LedgerStatus:
