@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import secrets
 import time
 import uuid
@@ -26,6 +27,7 @@ from engine.intake import RequestIntake
 from engine.leadership import Leadership
 from engine.outputs import GatewayOutputs
 from engine.quarantine import Quarantine
+from engine.shared_tier import SharedTierShell
 from engine.step_results import StepResults
 from engine.telemetry import LedgerTelemetry
 from engine.translate import (
@@ -45,12 +47,14 @@ from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.offloading.connector import OffloadingConnectorScheduler
 from ledger.offloading.manager import CPUOffloadingManager
+from ledger.offloading.shared import TieringManager
 from ledger.request import Request, RequestStatus
 from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ledger.step_costs import EVICTION_INTERVAL_S, StepCostEstimator, eviction_horizon
 from observability import LedgerMetrics, get_logger, in_trace, new_registry
-from services.config import LedgerConfig, OffloadingConfig
+from services.config import ConfigError, LedgerConfig, OffloadingConfig, SharedTierSpec
 from services.startup import freeze_after_startup
+from services.tiers.namespace import namespace_fields, namespace_id
 from services.transport import redis_streams, registry
 from services.transport.keys import STEPS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
@@ -118,11 +122,20 @@ class Engine:
         )
         # The CPU tier (--kv-offloading-size / --kv-transfer-config): off unless configured.
         self.num_cpu_chunks, connector, tier_line = 0, None, None
+        self.hasher = BlockHasher(config.hash_algo) if config.enable_prefix_caching else None
+        self.shared: SharedTierShell | None = None
         if config.offloading is not None:
             self.num_cpu_chunks, tier_line = plan_cpu_tier(
                 config.offloading, plan, config.block_size
             )
-            connector = build_connector(config.offloading, self.num_cpu_chunks, config.block_size)
+            connector = build_connector(
+                config.offloading, self.num_cpu_chunks, config.block_size,
+                shared=config.kv_shared_tier, locality=config.kv_shared_tier_locality,
+            )  # fmt: skip
+            if isinstance(connector.manager, TieringManager):
+                self.shared = shared_tier_shell(
+                    config, r, connector.manager, self.hasher, workers, leadership
+                )
         self.scheduler: Scheduler[Tracked] = Scheduler(
             SchedulerConfig(
                 max_model_len=config.max_model_len,
@@ -134,7 +147,6 @@ class Engine:
             self.manager,
             connector,
         )
-        self.hasher = BlockHasher(config.hash_algo) if config.enable_prefix_caching else None
         self.metrics = LedgerMetrics(new_registry(), self.model_name)
         # What this replica's steps cost, measured from their timings, for routers (the status).
         self.step_costs = StepCostEstimator()
@@ -182,6 +194,11 @@ class Engine:
         )
         if tier_line is not None:
             log.info("cpu_tier_capacity", line=tier_line, num_cpu_chunks=self.num_cpu_chunks)
+        if self.shared is not None:
+            log.info(
+                "shared_tier", namespace=self.shared.namespace, backend=self.shared.spec.backend,
+                max_bytes=self.shared.max_bytes, binds=self.shared.fields,
+            )  # fmt: skip
 
     @property
     def epoch(self) -> str:
@@ -204,6 +221,8 @@ class Engine:
         # and never finished become ours, so the reader's first pass over our pending entries
         # hands them out once, with our own unfinished ones.
         await startup.call(lambda: self.intake.reader.claim_stale(min_idle_ms=0))
+        if self.shared is not None:
+            self.shared.start()
         tasks = [
             asyncio.create_task(self.intake.read_forever(), name="intake"),
             asyncio.create_task(self.step_results.read_forever(), name="results"),
@@ -228,6 +247,8 @@ class Engine:
                         ("DEL", self.streams.ledger_status), ("DEL", self.streams.ledger_eviction)
                     )
             finally:
+                if self.shared is not None:
+                    await self.shared.stop()
                 if self.zmq is not None:  # sends what is queued, then frees the endpoints
                     await asyncio.to_thread(self.zmq.close)
 
@@ -317,6 +338,8 @@ class Engine:
     async def _between_steps(self) -> None:
         await self.leadership.ensure()
         await self._drain_intake()
+        if self.shared is not None:
+            self.shared.apply()  # what the catalog says changed, before the next lookups
         if self.gone_gateways:
             await self._abort_for_gone_gateways()
         if self.epoch_invalidated is not None:
@@ -329,6 +352,8 @@ class Engine:
     async def _idle(self) -> None:
         # Async scheduling caches a finished request's last blocks as its tokens come back:
         # publish them now rather than with the next request's first step.
+        if self.shared is not None:
+            await self.shared.write()  # its evictions are events too
         await self._publish_events(self.scheduler.take_events())
         await self._flush_outputs()
         self.telemetry.update_metrics(self.scheduler, self.manager)
@@ -338,7 +363,10 @@ class Engine:
     async def _dispatch(self, out: SchedulerOutput[Tracked]) -> None:
         if not _runs(out):
             return
-        step = build_step_message(out, self.epoch, self.cfg.block_size, self.num_cpu_chunks)
+        step = build_step_message(
+            out, self.epoch, self.cfg.block_size, self.num_cpu_chunks,
+            self.shared.namespace if self.shared is not None else "",
+        )  # fmt: skip
         step.leader_token = self.leadership.token
         # A leader paused past its lease and deposed stops here: renewed first if its deadline
         # passed, and fenced in Redis by the write itself.
@@ -358,12 +386,14 @@ class Engine:
         await self._flush_outputs()
         self.telemetry.update_metrics(self.scheduler, self.manager)
         await self._write_eviction_head()
+        if self.shared is not None:
+            await self.shared.write()
 
     def _update(self, out: SchedulerOutput[Tracked], result: StepResult, started: float) -> None:
         file_logprobs(out, result)
         self.outputs.hold(
             self.scheduler.update_from_output(
-                out, result.sampled_token_ids, result.transfers_done or ()
+                out, result.sampled_token_ids, result.transfers_done or (), result.shared_failed
             )
         )
         now = time.monotonic()
@@ -643,6 +673,8 @@ class Engine:
     async def _write_status(self) -> None:
         if not self.leadership.held():
             return  # the status key is the leader's
+        if self.shared is not None:
+            await self.shared.refresh_size()
         self.metrics.set_workers(
             {w: (h.device, h.attention_backend) for w, h in self.workers.items()}
         )
@@ -676,6 +708,7 @@ class Engine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             costs=self.routing_costs(),
             max_num_seqs=cfg.max_num_seqs,
+            shared_tier=self.shared.status() if self.shared is not None else None,
         )
 
     def routing_costs(self) -> RoutingCosts:
@@ -724,21 +757,62 @@ def _runs(out: SchedulerOutput[Tracked]) -> bool:
 
 
 def build_connector(
-    offloading: OffloadingConfig, num_cpu_chunks: int, block_size: int
+    offloading: OffloadingConfig,
+    num_cpu_chunks: int,
+    block_size: int,
+    shared: SharedTierSpec | None = None,
+    locality: str | None = "REMOTE",
 ) -> OffloadingConnectorScheduler:
-    """The CPU tier's books and decisions (ledger.offloading), configured as vLLM's. Every
-    worker of a step reports its copies with the step's result, and the step counts only once
-    all of them did: the connector hears one report per copy."""
-    manager = CPUOffloadingManager(
+    """The CPU tier's books and decisions (ledger.offloading), configured as vLLM's, with the
+    shared tier behind it when `shared` is given. Every worker of a step reports its copies
+    with the step's result, and the step counts only once all of them did: the connector hears
+    one report per copy."""
+    cpu = CPUOffloadingManager(
         num_cpu_chunks,
         offloading.eviction_policy,
         enable_events=True,  # the ledger always publishes its KV events
         store_threshold=offloading.store_threshold,
         max_tracker_size=offloading.max_tracker_size,
     )
+    manager: CPUOffloadingManager | TieringManager = cpu
+    if shared is not None:
+        manager = TieringManager(cpu, locality=locality, delete_evicted=shared.backend == "dir")
     return OffloadingConnectorScheduler(
         manager, block_size, num_workers=1, offload_prompt_only=offloading.offload_prompt_only
     )
+
+
+def shared_tier_shell(
+    config: LedgerConfig,
+    r: aioredis.Redis,
+    manager: TieringManager,
+    hasher: BlockHasher | None,
+    workers: dict[str, WorkerHello],
+    leadership: Leadership,
+) -> SharedTierShell:
+    """The shared tier's namespace from the workers' KV identity and this ledger's hashing, and
+    the shell that keeps its catalog. Refused when the two cannot be known (no prefix caching:
+    no block hashes; workers that disagree on what their KV is)."""
+    if hasher is None:
+        raise ConfigError(
+            "--kv-shared-tier needs prefix caching (blocks are found by their hashes): drop "
+            "--no-enable-prefix-caching"
+        )
+    identities = {hello.kv_identity for hello in workers.values()}
+    if len(identities) != 1 or "" in identities:
+        raise ConfigError(
+            "--kv-shared-tier: the workers do not agree on what their KV is (model, dtype, "
+            f"layout): {sorted(identities)}"
+        )
+    fields = namespace_fields(
+        json.loads(identities.pop()), config.hash_algo, hasher.none_hash, config.block_size
+    )
+    primary = group_view(workers)
+    hello = next(iter(primary.values()))
+    return SharedTierShell(
+        config, r, manager, namespace_id(fields), fields, leadership,
+        hello.bytes_per_block, hello.tp_size,
+    )  # fmt: skip
 
 
 def _expected_hits(request: Request[Tracked]) -> int:

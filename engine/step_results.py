@@ -125,6 +125,21 @@ class StepResults:
                     sent=sorted(jobs), done=sorted(result.transfers_done or ()),
                 )  # fmt: skip
                 return None
+        if sent is not None and sent.shared:
+            shared = sent.shared
+            wanted = {job.job_id for job in (*shared.promotions, *shared.cascades)}
+            failed: dict[int, set[int]] = {job_id: set() for job_id in wanted}
+            for worker_id, result in results.items():
+                reported = result.shared_failed or {}
+                if set(reported) != wanted:
+                    log.error(
+                        "step_shared_mismatch", step_id=step_id, worker_id=worker_id,
+                        sent=sorted(wanted), done=sorted(reported),
+                    )  # fmt: skip
+                    return None
+                for job_id, indices in reported.items():
+                    failed[job_id].update(indices)  # a key is there only if every rank wrote it
+            primary.shared_failed = {job_id: sorted(bad) for job_id, bad in failed.items()}
         got = set(primary.sampled_token_ids)
         if got != out.sampling_req_ids:
             log.error(

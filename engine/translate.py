@@ -23,6 +23,7 @@ from services.wire.messages import (
     NewRequestData,
     RequestOutput,
     SamplingParams,
+    SharedTransfer,
     StepMessage,
     StepResult,
     TokenLogprobs,
@@ -206,7 +207,11 @@ def failure_output(
 
 
 def build_step_message(
-    out: SchedulerOutput[Tracked], epoch: str, block_size: int, num_cpu_chunks: int = 0
+    out: SchedulerOutput[Tracked],
+    epoch: str,
+    block_size: int,
+    num_cpu_chunks: int = 0,
+    shared_namespace: str = "",
 ) -> StepMessage:
     """The wire form of one scheduler step; each request's payload is its `Tracked`."""
 
@@ -243,18 +248,34 @@ def build_step_message(
         preempted_req_ids=out.preempted_req_ids,
         block_size=block_size,
         sent_at=time.time(),
-        kv_transfers=kv_transfers(out, num_cpu_chunks) if out.has_transfers else None,
+        kv_transfers=kv_transfers(out, num_cpu_chunks, shared_namespace)
+        if out.has_transfers
+        else None,
     )
 
 
-def kv_transfers(out: SchedulerOutput[Tracked], num_cpu_chunks: int) -> KVTransfers:
-    """The CPU tier's copies of a step. Only this step's stores can need a flush: a worker runs
-    every copy of a step before it answers, so the stores of earlier steps are done already."""
+def kv_transfers(
+    out: SchedulerOutput[Tracked], num_cpu_chunks: int, shared_namespace: str = ""
+) -> KVTransfers:
+    """The CPU and shared tiers' copies of a step. Only this step's stores can need a flush: a
+    worker runs every copy of a step before it answers, so the stores of earlier steps are done
+    already."""
     meta = out.kv_transfers
     assert meta is not None
-    return KVTransfers(
+    transfers = KVTransfers(
         num_cpu_chunks=num_cpu_chunks,
         loads=[KVTransfer(job_id, job.src, job.dst) for job_id, job in meta.load_jobs.items()],
         stores=[KVTransfer(job_id, job.src, job.dst) for job_id, job in meta.store_jobs.items()],
         flush=sorted(job_id for job_id in meta.jobs_to_flush if job_id in meta.store_jobs),
     )
+    shared = meta.shared
+    if shared:
+        transfers.promotions = [
+            SharedTransfer(job.job_id, job.chunk_ids, job.keys) for job in shared.promotions
+        ]
+        transfers.cascades = [
+            SharedTransfer(job.job_id, job.chunk_ids, job.keys) for job in shared.cascades
+        ]
+        transfers.shared_deletes = list(shared.deletes)
+        transfers.shared_namespace = shared_namespace
+    return transfers

@@ -65,6 +65,39 @@ class HostKVTier:
                             f"{kind} job {job.job_id}: id {bad} is outside 0..{limit - 1}"
                         )
 
+    def check_shared(self, transfers: KVTransfers) -> None:
+        """Refuse, before anything runs, a shared-tier copy whose chunks fall outside the buffer."""
+        for kind, jobs in (("promotion", transfers.promotions), ("cascade", transfers.cascades)):
+            for job in jobs:
+                if len(job.chunks) != len(job.keys):
+                    raise TransferError(
+                        f"{kind} job {job.job_id}: {len(job.chunks)} chunks, {len(job.keys)} keys"
+                    )
+                bad = next((c for c in job.chunks if not 0 <= c < self.num_chunks), None)
+                if bad is not None:
+                    raise TransferError(
+                        f"{kind} job {job.job_id}: chunk {bad} is outside 0..{self.num_chunks - 1}"
+                    )
+
+    def chunk_bytes(self, chunk_id: int) -> bytes:
+        """One chunk as the shared tier keeps it: every layer's K then V, in layer order."""
+        return b"".join(
+            buffer[chunk_id].view(torch.uint8).numpy().tobytes()
+            for layer in self.buffers
+            for buffer in layer
+        )
+
+    def write_chunk(self, chunk_id: int, payload: bytes | memoryview) -> None:
+        """Fill one chunk from the shared tier's bytes (`chunk_bytes`' layout, checked length)."""
+        assert len(payload) == self.bytes_per_chunk, (len(payload), self.bytes_per_chunk)
+        source = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        at = 0
+        for layer in self.buffers:
+            for buffer in layer:
+                target = buffer[chunk_id].view(torch.uint8).view(-1)
+                target.copy_(source[at : at + target.numel()])
+                at += target.numel()
+
     def before_forward(self, transfers: KVTransfers, kv_caches: Sequence[KVCache]) -> list[int]:
         """The flushed stores (their blocks are written by this step), then the loads."""
         flush = set(transfers.flush)

@@ -249,6 +249,7 @@ class ModelRunner:
             tier = self.host_tier = HostKVTier(self.kv_caches, transfers.num_cpu_chunks)
         try:
             tier.check(transfers, self.num_blocks)
+            tier.check_shared(transfers)
         except TransferError as exc:
             raise StepError(f"CPU tier: {exc}") from None
         return tier

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import time
@@ -23,10 +24,12 @@ import redis.asyncio as aioredis
 import torch
 
 from gpu_worker.devices import resolve_device
+from gpu_worker.kv_identity import kv_identity
 from gpu_worker.parallel import TensorParallel, TensorParallelError
 from gpu_worker.profile import ProfileSettings
 from gpu_worker.request_spans import RequestSpans
 from gpu_worker.runner import ModelRunner, RequestsFailed, RunnerConfig, StepError, StepOutput
+from gpu_worker.shared_tier import WorkerSharedTier, make_backend
 from gpu_worker.threads import configure_cpu_threads
 from gpu_worker.tp_group import GroupFormer
 from kernels import BackendError
@@ -73,6 +76,11 @@ class WorkerService:
         profile = runner.profile
         # Exactly what the allocated cache tensors cost per block, K and V over every layer.
         bytes_per_block = sum(k[0].nbytes + v[0].nbytes for k, v in runner.kv_caches)
+        model = runner.config
+        identity = kv_identity(
+            config.model, config.seed, runner.kv_caches[0][0].dtype, model.num_hidden_layers,
+            model.num_key_value_heads, model.head_dim, runner.model.tp.size,
+        )  # fmt: skip
         self.hello = WorkerHello(
             worker_id=self.worker_id,
             group=config.group,
@@ -91,7 +99,16 @@ class WorkerService:
             detail=profile.describe() if profile else "",
             tp_rank=runner.model.tp.rank,
             tp_size=runner.model.tp.size,
+            kv_identity=json.dumps(identity, sort_keys=True),
         )
+        # The shared tier's copies (--kv-shared-tier), run after each step's forward pass.
+        self.shared: WorkerSharedTier | None = None
+        if config.kv_shared_tier is not None:
+            self.shared = WorkerSharedTier(
+                make_backend(config.kv_shared_tier, r, config.stream_prefix),
+                runner.model.tp.rank,
+                runner.model.tp.size,
+            )
         self.steps_done = 0
         self.last_run: tuple[str, int] = ("", -1)  # (epoch, step_id) of the last step run
         # Results run but not known to have reached Redis (at most the last two): sent again
@@ -263,11 +280,13 @@ class WorkerService:
         error = None
         failed: dict[str, str] | None = None
         output = StepOutput({}, None, 0)
+        shared_failed: dict[int, list[int]] | None = None
         try:
             unformed = await self.tp_group.ensure(step.epoch)
             if unformed is not None:
                 raise StepError(unformed)
             output = self.runner.run_step(step)
+            shared_failed = await self._shared_copies(step)
         except RequestsFailed as exc:
             error, failed = (
                 f"step {step.step_id} failed on {len(exc.errors)} request(s)",
@@ -298,7 +317,29 @@ class WorkerService:
             leader_token=step.leader_token,
             failed_requests=failed,
             transfers_done=output.transfers_done,
+            shared_failed=shared_failed,
         )
+
+    async def _shared_copies(self, step: StepMessage) -> dict[int, list[int]] | None:
+        """The step's shared-tier copies (after its forward pass): job id -> failed keys."""
+        transfers = step.kv_transfers
+        if transfers is None or not (
+            transfers.promotions or transfers.cascades or transfers.shared_deletes
+        ):
+            return None
+        jobs = [*transfers.promotions, *transfers.cascades]
+        host = self.runner.host_tier
+        if self.shared is None or host is None:
+            log.warning(
+                "shared_tier_not_configured", step_id=step.step_id,
+                hint="start the worker with the ledger's --kv-shared-tier",
+            )  # fmt: skip
+            return {job.job_id: list(range(len(job.keys))) for job in jobs}
+        try:
+            return await self.shared.run(transfers, host)
+        except Exception:  # never the step's failure: the blocks are recomputed
+            log.exception("shared_tier_failed", step_id=step.step_id)
+            return {job.job_id: list(range(len(job.keys))) for job in jobs}
 
 
 async def serve(config: WorkerConfig) -> None:

@@ -38,6 +38,7 @@ from services.config import (
     parse_kv_events_config,
     parse_kv_transfer_config,
     parse_offloading_size,
+    parse_shared_tier,
 )
 from services.environment import ConfigError, env, read_redis_url_file, redact_url
 from services.lifeline import Lifeline
@@ -224,7 +225,13 @@ def check_offloading(args: argparse.Namespace) -> None:
     size = parsed("kv_offloading_size", "KVLEDGER_KV_OFFLOADING_SIZE", parse_offloading_size)
     transfer = parsed("kv_transfer_config", "KVLEDGER_KV_TRANSFER_CONFIG", parse_kv_transfer_config)
     block_size = int(args.block_size or env("KVLEDGER_BLOCK_SIZE") or 16)
-    offloading_config(size, transfer, block_size)
+    tier = offloading_config(size, transfer, block_size)
+    shared = parsed("kv_shared_tier", "KVLEDGER_KV_SHARED_TIER", parse_shared_tier)
+    if shared is not None and tier is None:
+        raise ConfigError(
+            "--kv-shared-tier: the shared tier sits behind the CPU tier (blocks go GPU -> CPU "
+            "-> shared and back): give --kv-offloading-size GiB too"
+        )
 
 
 def cmd_up(args: argparse.Namespace) -> int:

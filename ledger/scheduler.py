@@ -17,7 +17,7 @@ the workers' reports come back through `update_from_output`. Without it, nothing
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Generic
@@ -594,6 +594,7 @@ class Scheduler(Generic[P]):
         out: SchedulerOutput[P],
         sampled: dict[str, int],
         transfers_done: Iterable[int] = (),
+        shared_failed: Mapping[int, Sequence[int]] | None = None,
     ) -> list[RequestUpdate[P]]:
         """Append each sampled token, stop finished requests and free their blocks.
 
@@ -665,6 +666,9 @@ class Scheduler(Generic[P]):
                 RequestUpdate(request, (token,), True, RequestStatus.finish_reason(request.status))
             )
         if self.connector is not None:
+            if shared_failed:
+                # Before the CPU tier's reports: a promotion reported now is loadable next step.
+                self.connector.update_shared_output(shared_failed)
             self._transfers_done(transfers_done)
         return updates
 
@@ -737,7 +741,8 @@ class Scheduler(Generic[P]):
         """Whether a step is due: unfinished requests, or (with the CPU tier) finished ones whose
         last blocks the next step offers to it."""
         return self.has_unfinished_requests() or (
-            self.connector is not None and bool(self.finished_req_ids)
+            self.connector is not None
+            and (bool(self.finished_req_ids) or self.connector.has_queued_work())
         )
 
     @property

@@ -99,7 +99,7 @@ class SchedulerOutput(Generic[P]):
     @property
     def has_transfers(self) -> bool:
         meta = self.kv_transfers
-        return meta is not None and bool(meta.load_jobs or meta.store_jobs)
+        return meta is not None and bool(meta.load_jobs or meta.store_jobs or meta.shared)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -495,6 +495,65 @@ class HttpServerConfig:
     )
 
 
+SHARED_TIER_BACKENDS = ("dir", "redis")
+
+
+@dataclass(frozen=True)
+class SharedTierSpec:
+    """Where the shared tier lives (`--kv-shared-tier`): a directory every replica mounts
+    (`dir:PATH`), or Redis (`redis`: the replica's own server; `redis:URL`: another one).
+    The catalog of what it holds is kept in that Redis (for a directory, in the replica's)."""
+
+    backend: str  # "dir" or "redis"
+    path: str = ""  # the directory (dir)
+    redis_url: str = ""  # the data's and the catalog's server (redis; "" = the replica's)
+
+
+def parse_shared_tier(text: str) -> SharedTierSpec:
+    raw = text.strip()
+    kind, _, rest = raw.partition(":")
+    if kind == "dir":
+        if not rest:
+            raise ValueError(f"{text!r}: dir:PATH names the directory (dir:/var/lib/kvledger/kv)")
+        return SharedTierSpec("dir", path=rest)
+    if kind == "redis":
+        if rest and not rest.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{text!r}: redis, or redis:URL with a redis:// URL")
+        return SharedTierSpec("redis", redis_url=rest)
+    raise ValueError(
+        f"{text!r}: the shared tier is dir:PATH (a directory every replica mounts) or redis "
+        "(the replica's Redis; redis:URL for another)"
+    )
+
+
+@dataclass
+class SharedTierShape:
+    """The shared tier, which the ledger and its workers must agree on (both read it)."""
+
+    kv_shared_tier: SharedTierSpec | None = _opt(  # noqa: RUF009 (None, a frozen value)
+        "KVLEDGER_KV_SHARED_TIER",
+        None,
+        "a tier behind the CPU tier that every replica of the same model reads: dir:PATH (one "
+        "file per block in a directory every replica mounts) or redis (values in the replica's "
+        "Redis; redis:URL for another); needs --kv-offloading-size (default: off)",
+        parse_shared_tier,
+        flags=("--kv-shared-tier",),
+    )
+    kv_shared_tier_size: int = _opt(
+        "KVLEDGER_KV_SHARED_TIER_SIZE",
+        1 << 30,
+        "the shared tier's size bound, bytes or with a unit (512MiB, 20GiB): past it the "
+        "blocks used longest ago are evicted, whichever replica wrote them",
+        parse_bytes,
+    )
+    kv_shared_tier_locality: str = _opt(
+        "KVLEDGER_KV_SHARED_TIER_LOCALITY",
+        "REMOTE",
+        "the shared tier's KV events' locality, as vLLM's tiers set it: LOCAL or REMOTE",
+        lambda text: _choice(text, ("local", "remote")).upper(),
+    )
+
+
 @dataclass
 class EngineShape:
     """Settings the gateway, ledger and worker must agree on."""
@@ -504,7 +563,7 @@ class EngineShape:
 
 
 @dataclass
-class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
+class LedgerConfig(CommonConfig, EngineShape, SharedTierShape, HttpServerConfig):
     group: str = _opt(None, "default", "worker group this ledger schedules")
     num_workers: int = _opt(
         "KVLEDGER_NUM_WORKERS", 1, "workers to wait for before sizing the pool", int
@@ -614,10 +673,15 @@ class LedgerConfig(CommonConfig, EngineShape, HttpServerConfig):
         self.offloading = offloading_config(
             self.kv_offloading_size, self.kv_transfer_config, self.block_size
         )
+        if self.kv_shared_tier is not None and self.offloading is None:
+            raise ConfigError(
+                "--kv-shared-tier: the shared tier sits behind the CPU tier (blocks go GPU -> "
+                "CPU -> shared and back): give --kv-offloading-size GiB too"
+            )
 
 
 @dataclass
-class WorkerConfig(CommonConfig, EngineShape):
+class WorkerConfig(CommonConfig, EngineShape, SharedTierShape):
     group: str = _opt(None, "default", "worker group to join")
     worker_id: str | None = _opt("KVLEDGER_WORKER_ID", None, "this worker's id (default: host-pid)")
     model: str = _opt("KVLEDGER_MODEL", DEFAULT_MODEL, MODEL_HELP)

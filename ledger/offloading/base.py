@@ -118,6 +118,7 @@ class OffloadingEvent:
     removed: bool
     medium: str = MEDIUM_CPU
     metadata_only: bool = False
+    locality: str | None = None  # "LOCAL" or "REMOTE" to the publisher (the shared tier's)
 
 
 def order_request_keys(keys: list[OffloadKey], context: RequestContext) -> list[OffloadKey]:
@@ -144,7 +145,32 @@ class TransferJob:
 
 
 @dataclass(slots=True)
+class SharedJob:
+    """One copy between the shared tier and CPU chunks: a promotion writes `keys` into
+    `chunk_ids`, a cascade writes `chunk_ids` to the tier under `keys`, pairwise."""
+
+    job_id: int
+    keys: list[OffloadKey]
+    chunk_ids: list[int]
+    is_promotion: bool
+    context: RequestContext | None = None
+
+
+@dataclass(slots=True)
+class SharedJobs:
+    """A step's shared-tier work, in the order the workers run it."""
+
+    promotions: list[SharedJob] = field(default_factory=list)
+    cascades: list[SharedJob] = field(default_factory=list)
+    deletes: list[OffloadKey] = field(default_factory=list)  # data the catalog no longer lists
+
+    def __bool__(self) -> bool:
+        return bool(self.promotions or self.cascades or self.deletes)
+
+
+@dataclass(slots=True)
 class ConnectorMeta:
     load_jobs: dict[int, TransferJob]
     store_jobs: dict[int, TransferJob]
     jobs_to_flush: set[int]
+    shared: SharedJobs | None = None  # the shared tier's copies, when it is on

@@ -46,6 +46,7 @@ from ledger.offloading.base import (
 )
 from ledger.offloading.events import to_kv_events
 from ledger.offloading.manager import CPUOffloadingManager
+from ledger.offloading.shared import TieringManager
 from ledger.request import Request, RequestStatus
 from ledger.scheduler_output import SchedulerOutput
 
@@ -100,7 +101,7 @@ class RequestState:
 class OffloadingConnectorScheduler:
     def __init__(
         self,
-        manager: CPUOffloadingManager,
+        manager: CPUOffloadingManager | TieringManager,
         block_size: int,
         num_workers: int = 1,
         offload_prompt_only: bool = True,
@@ -252,6 +253,8 @@ class OffloadingConnectorScheduler:
         meta = ConnectorMeta(
             self._batch_load_jobs, self._build_store_jobs(output), self._batch_jobs_to_flush
         )
+        if isinstance(self.manager, TieringManager):
+            meta.shared = self.manager.take_jobs()
         for req_id in output.finished_req_ids:
             state = self.requests.get(req_id)
             if state is None:
@@ -398,7 +401,18 @@ class OffloadingConnectorScheduler:
 
     def has_pending_work(self) -> bool:
         """The engine must keep stepping while jobs (or a reset's old jobs) are unreported."""
+        if isinstance(self.manager, TieringManager) and self.manager.has_pending_work():
+            return True
         return bool(self.jobs or self.reset_fence)
+
+    def has_queued_work(self) -> bool:
+        """Shared-tier copies waiting for a step: one is due even with no request left."""
+        return isinstance(self.manager, TieringManager) and self.manager.has_queued_work()
+
+    def update_shared_output(self, failed: Mapping[int, Sequence[int]]) -> None:
+        """The workers' reports of the step's shared-tier copies (job id -> failed key indices)."""
+        if isinstance(self.manager, TieringManager):
+            self.manager.complete_jobs(failed)
 
     def take_events(self) -> list[AnyKVCacheEvent]:
         return to_kv_events(self.manager.take_events())

@@ -33,6 +33,7 @@ def to_kv_events(events: Iterable[OffloadingEvent]) -> list[AnyKVCacheEvent]:
                     medium=event.medium,
                     lora_name=None,
                     group_idx=offload_key_group_idx(key),
+                    locality=event.locality,
                 )
                 for key in event.keys
             )
@@ -43,7 +44,12 @@ def to_kv_events(events: Iterable[OffloadingEvent]) -> list[AnyKVCacheEvent]:
                     to_event_hash(offload_key_block_hash(key))
                 )
             out.extend(
-                BlockRemoved(block_hashes=hashes, medium=event.medium, group_idx=group_idx)
+                BlockRemoved(
+                    block_hashes=hashes,
+                    medium=event.medium,
+                    group_idx=group_idx,
+                    locality=event.locality,
+                )
                 for group_idx, hashes in by_group.items()
             )
     return out

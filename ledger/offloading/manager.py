@@ -148,19 +148,29 @@ class CPUOffloadingManager:
 
     def prepare_load(self, keys: Sequence[OffloadKey], context: RequestContext) -> list[int]:
         """Pin the keys (all ready) against eviction until complete_load; their chunk ids."""
+        chunk_ids = self.pin(keys)
+        self._record_access(keys, context, reused=keys)
+        return chunk_ids
+
+    def pin(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """Pin ready keys against eviction without counting an access (vLLM's `prepare_read`:
+        the shared tier copying them is not a request using them); their chunk ids."""
         chunk_ids: list[int] = []
         for key in keys:
             chunk = self.policy.get(key)
-            assert chunk is not None and chunk.is_ready, f"{key.hex()} is not ready to load"
+            assert chunk is not None and chunk.is_ready, f"{key.hex()} is not ready to read"
             if chunk.ref_cnt == 0:
                 self.policy.mark_non_evictable(key)
                 self.num_evictable -= 1
             chunk.ref_cnt += 1
             chunk_ids.append(chunk.chunk_id)
-        self._record_access(keys, context, reused=keys)
         return chunk_ids
 
     def complete_load(self, keys: Iterable[OffloadKey], context: RequestContext) -> None:
+        self.unpin(keys)
+
+    def unpin(self, keys: Iterable[OffloadKey]) -> None:
+        """Undo `pin` (the copy out of the chunks is done)."""
         for key in keys:
             chunk = self.policy.get(key)
             assert chunk is not None and chunk.ref_cnt > 0, f"{key.hex()} is not being loaded"

@@ -137,6 +137,16 @@ class KVTransfer(Record, array_like=True):
     dst: list[int]
 
 
+class SharedTransfer(Record, array_like=True):
+    """One copy between the shared tier and the worker's CPU tier: a promotion reads `keys`
+    from the tier into `chunks`, a cascade writes `chunks` to the tier under `keys`, pairwise
+    (each key an offload key: the block hash and its 4-byte group index)."""
+
+    job_id: int
+    chunks: list[int]
+    keys: list[bytes]
+
+
 class KVTransfers(Record, omit_defaults=True):
     """The CPU tier's copies of one step (vLLM's OffloadingConnector metadata), in the order a
     worker runs them: the stores named in `flush` first (their blocks are written this step),
@@ -147,6 +157,13 @@ class KVTransfers(Record, omit_defaults=True):
     loads: list[KVTransfer] = msgspec.field(default_factory=list)
     stores: list[KVTransfer] = msgspec.field(default_factory=list)
     flush: list[int] = msgspec.field(default_factory=list)  # store job ids
+    # The shared tier's copies (ledger.offloading.shared), run after the step's CPU-tier copies
+    # and the forward pass: promotions into pending chunks, cascades out of pinned ones, and
+    # the data of blocks the catalog evicted (directory backend) to delete.
+    promotions: list[SharedTransfer] = msgspec.field(default_factory=list)
+    cascades: list[SharedTransfer] = msgspec.field(default_factory=list)
+    shared_deletes: list[bytes] = msgspec.field(default_factory=list)
+    shared_namespace: str = ""  # what the tier's keys are under (services.tiers.namespace)
 
 
 class StepMessage(Message, tag="step"):
@@ -197,6 +214,9 @@ class WorkerHello(Message, tag="hello"):
     detail: str = ""  # the memory profile, for the ledger's start-up log
     tp_rank: int = 0  # under tensor parallelism: this worker's shard of the group's model
     tp_size: int = 1
+    # What makes its KV interchangeable with another worker's (gpu_worker.kv_identity, as
+    # JSON): the shared tier's namespace binds it.
+    kv_identity: str = ""
 
 
 class StepResult(Message, tag="result"):
@@ -213,6 +233,9 @@ class StepResult(Message, tag="result"):
     # the ledger fails them and re-runs the others.
     failed_requests: dict[str, str] | None = None
     transfers_done: list[int] | None = None  # the step's CPU-tier copies this worker finished
+    # Every shared-tier copy of the step -> the indices of its keys this worker failed to copy
+    # (empty: all copied); a failed copy is not an error of the step, the block is recomputed.
+    shared_failed: dict[int, list[int]] | None = None
 
 
 class RequestOutput(Record, omit_defaults=True):
@@ -307,6 +330,19 @@ class RoutingAlive(Message, tag="routing_alive"):
     req_ids: list[str]
 
 
+class SharedTierStatus(Record):
+    """The shared tier a ledger reads (`--kv-shared-tier`): replicas with the same namespace
+    load each other's blocks from it; blocks and bytes as its catalog last listed them."""
+
+    namespace: str
+    backend: str  # "dir" or "redis"
+    locality: str
+    blocks: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+    indexed_blocks: int = 0  # what this ledger's index holds of it
+
+
 class LedgerStatus(Message, tag="ledger_status"):
     """The ledger's heartbeat key: who is serving, with what capacity, and its live counters."""
 
@@ -330,6 +366,7 @@ class LedgerStatus(Message, tag="ledger_status"):
     enable_prefix_caching: bool = True
     costs: RoutingCosts | None = None  # for routers: measured step costs and the queue
     max_num_seqs: int = 0  # sequences in one step (0: a ledger that does not say)
+    shared_tier: SharedTierStatus | None = None
 
 
 class StoredResponse(Message, tag="stored_response"):

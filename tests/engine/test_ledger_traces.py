@@ -211,7 +211,9 @@ async def test_under_the_priority_policy_the_queue_span_names_priority(redis_url
     await stack.start()
     try:
         first, low, high = prompts(3, 20, seed=22)
-        await traced.submit("first", first, 8)
+        # Long enough to hold the one seat while the other two arrive, on a loaded machine too
+        # (with 8 tokens it could end before they did, and nothing waited).
+        await traced.submit("first", first, 96)
         while not stack.results["first"].tokens:
             await asyncio.sleep(0.02)
         await traced.submit("low", low, 4, priority=5)

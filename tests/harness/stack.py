@@ -62,6 +62,7 @@ class Stack:
         replica: str = "default",
         ledger_tracer=None,
         worker_tracer=None,
+        worker_kwargs: dict | None = None,
         **ledger_kwargs,
     ) -> None:
         self.url = url
@@ -70,6 +71,9 @@ class Stack:
         self.replica = replica
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.worker_kwargs = dict(worker_kwargs or {})
+        if "kv_shared_tier" in ledger_kwargs:  # the ledger and its workers read it alike
+            self.worker_kwargs.setdefault("kv_shared_tier", ledger_kwargs["kv_shared_tier"])
         self.ledger_cfg = LedgerConfig(
             redis_url=url,
             stream_prefix=self.prefix,
@@ -146,6 +150,7 @@ class Stack:
             block_size=self.block_size,
             heartbeat_s=0.3,
             ttl_s=2.0,
+            **self.worker_kwargs,
         )
         # Named, so that a test can cut this worker's connections alone (CLIENT KILL).
         service = WorkerService(

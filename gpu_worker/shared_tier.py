@@ -1,0 +1,219 @@
+"""The worker's side of the shared tier: it copies blocks between its CPU tier (the host buffer)
+and the shared store, as the ledger's steps say, and reports what failed.
+
+Two backends, chosen by `--kv-shared-tier`:
+
+- `dir:PATH`: one file per block and rank (`services.tiers.blocks.block_path`), written to a
+  temporary name and renamed over any file there, so a reader sees a whole block or none (a
+  block is written only when the catalog lacks it: one there was left behind, or is bad).
+- `redis`: one value per block and rank in the namespace's hash slot, written with NX and an
+  expiry that the ledger's commit lifts (`services.tiers.catalog`): a value whose commit never
+  came (its ledger died) goes away on its own.
+
+Each block is checked on the way back (`unpack_block`: namespace, key, rank, size, CRC-32), so a
+missing, truncated or corrupt block is a failed copy of that key, never KV in the cache. No
+failure of the store fails the step: a copy that cannot be done is reported failed, the ledger
+recomputes the block, and the step goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gpu_worker.offload import HostKVTier
+from observability import get_logger
+from services.config import SharedTierSpec
+from services.tiers.blocks import CorruptBlock, block_path, data_key, pack_block, unpack_block
+from services.transport import redis_streams
+from services.wire.messages import KVTransfers
+
+log = get_logger("kvledger.worker.shared_tier")
+
+# A Redis value's life until its ledger commits it (then it lives until evicted).
+UNCOMMITTED_TTL_MS = 600_000
+
+
+class Backend(ABC):
+    @abstractmethod
+    async def read(self, namespace: str, keys: Sequence[bytes], rank: int) -> list[bytes | None]:
+        """Each key's stored bytes (None: not there)."""
+
+    @abstractmethod
+    async def write(
+        self, namespace: str, keys: Sequence[bytes], rank: int, values: Sequence[bytes]
+    ) -> None:
+        """Store each key's bytes unless a value is there already."""
+
+    @abstractmethod
+    async def delete(self, namespace: str, keys: Sequence[bytes], rank: int) -> None: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class DirectoryBackend(Backend):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    async def read(self, namespace: str, keys: Sequence[bytes], rank: int) -> list[bytes | None]:
+        return await asyncio.to_thread(self._read, namespace, keys, rank)
+
+    def _read(self, namespace: str, keys: Sequence[bytes], rank: int) -> list[bytes | None]:
+        values: list[bytes | None] = []
+        for key in keys:
+            try:
+                values.append(block_path(self.root, namespace, key, rank).read_bytes())
+            except FileNotFoundError:
+                values.append(None)
+        return values
+
+    async def write(
+        self, namespace: str, keys: Sequence[bytes], rank: int, values: Sequence[bytes]
+    ) -> None:
+        await asyncio.to_thread(self._write, namespace, keys, rank, values)
+
+    def _write(
+        self, namespace: str, keys: Sequence[bytes], rank: int, values: Sequence[bytes]
+    ) -> None:
+        for key, value in zip(keys, values, strict=True):
+            path = block_path(self.root, namespace, key, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+            try:
+                with temporary.open("wb") as f:
+                    f.write(value)
+                os.replace(temporary, path)  # atomic: a reader sees all of it or nothing
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    temporary.unlink()
+
+    async def delete(self, namespace: str, keys: Sequence[bytes], rank: int) -> None:
+        await asyncio.to_thread(self._delete, namespace, keys, rank)
+
+    def _delete(self, namespace: str, keys: Sequence[bytes], rank: int) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                block_path(self.root, namespace, key, rank).unlink()
+
+
+class RedisBackend(Backend):
+    def __init__(self, r: aioredis.Redis, prefix: str, owned: bool = False) -> None:
+        self.r = r
+        self.prefix = prefix
+        self.owned = owned
+
+    async def read(self, namespace: str, keys: Sequence[bytes], rank: int) -> list[bytes | None]:
+        if not keys:
+            return []
+        names = [data_key(self.prefix, namespace, key, rank) for key in keys]
+        values: list[Any] = await self.r.mget(names)
+        return [bytes(v) if v is not None else None for v in values]
+
+    async def write(
+        self, namespace: str, keys: Sequence[bytes], rank: int, values: Sequence[bytes]
+    ) -> None:
+        if not keys:
+            return
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key, value in zip(keys, values, strict=True):
+                pipe.set(
+                    data_key(self.prefix, namespace, key, rank), value,
+                    nx=True, px=UNCOMMITTED_TTL_MS,
+                )  # fmt: skip
+            await pipe.execute()
+
+    async def delete(self, namespace: str, keys: Sequence[bytes], rank: int) -> None:
+        if keys:
+            await self.r.delete(*[data_key(self.prefix, namespace, key, rank) for key in keys])
+
+    async def close(self) -> None:
+        if self.owned:
+            await self.r.aclose()
+
+
+def make_backend(spec: SharedTierSpec, r: aioredis.Redis, prefix: str) -> Backend:
+    if spec.backend == "dir":
+        return DirectoryBackend(spec.path)
+    if spec.redis_url:
+        return RedisBackend(redis_streams.connect(spec.redis_url), prefix, owned=True)
+    return RedisBackend(r, prefix)
+
+
+class WorkerSharedTier:
+    """Runs a step's shared-tier copies for this rank (`run`: job id -> failed key indices)."""
+
+    def __init__(self, backend: Backend, rank: int = 0, tp_size: int = 1) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.tp_size = tp_size
+        self.blocks_read = self.blocks_written = self.failures = 0
+
+    async def run(self, transfers: KVTransfers, host: HostKVTier) -> dict[int, list[int]]:
+        namespace = transfers.shared_namespace
+        failed: dict[int, list[int]] = {}
+        for job in transfers.promotions:
+            failed[job.job_id] = await self._promote(namespace, job.keys, job.chunks, host)
+        for job in transfers.cascades:
+            failed[job.job_id] = await self._cascade(namespace, job.keys, job.chunks, host)
+        if transfers.shared_deletes:
+            try:
+                await self.backend.delete(namespace, transfers.shared_deletes, self.rank)
+            except Exception as exc:  # the data stays; the catalog no longer lists it
+                log.warning("shared_tier_delete_failed", error=f"{type(exc).__name__}: {exc}")
+        return failed
+
+    async def _promote(
+        self, namespace: str, keys: list[bytes], chunks: list[int], host: HostKVTier
+    ) -> list[int]:
+        try:
+            values = await self.backend.read(namespace, keys, self.rank)
+        except Exception as exc:
+            return self._all_failed("read", keys, exc)
+        bad = []
+        for index, (key, chunk, value) in enumerate(zip(keys, chunks, values, strict=True)):
+            if value is None:
+                bad.append(index)
+                continue
+            try:
+                payload = unpack_block(
+                    value, namespace, key, self.rank, self.tp_size, host.bytes_per_chunk
+                )
+            except CorruptBlock as exc:
+                log.warning("shared_tier_block_corrupt", key=key.hex(), reason=str(exc))
+                bad.append(index)
+                continue
+            host.write_chunk(chunk, payload)
+        self.blocks_read += len(keys) - len(bad)
+        self.failures += len(bad)
+        return bad
+
+    async def _cascade(
+        self, namespace: str, keys: list[bytes], chunks: list[int], host: HostKVTier
+    ) -> list[int]:
+        try:
+            values = [
+                pack_block(namespace, key, self.rank, self.tp_size, host.chunk_bytes(chunk))
+                for key, chunk in zip(keys, chunks, strict=True)
+            ]
+            await self.backend.write(namespace, keys, self.rank, values)
+        except Exception as exc:
+            return self._all_failed("write", keys, exc)
+        self.blocks_written += len(keys)
+        return []
+
+    def _all_failed(self, what: str, keys: list[bytes], exc: Exception) -> list[int]:
+        self.failures += len(keys)
+        log.warning(
+            "shared_tier_unreachable", op=what, blocks=len(keys),
+            error=f"{type(exc).__name__}: {exc}",
+        )  # fmt: skip
+        return list(range(len(keys)))

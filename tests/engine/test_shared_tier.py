@@ -1,0 +1,181 @@
+"""The shared tier end to end: two replicas (each a ledger and a worker over one real
+redis-server) behind --kv-shared-tier, the directory and the Redis backends. Blocks replica A
+computed reach the tier through A's CPU tier (a cascade); replica B, which never saw the
+prompts, promotes them into its CPU tier and loads them instead of computing them, and its
+greedy tokens are the dense model's. A corrupt, truncated or missing block is recomputed,
+never loaded, and leaves the catalog."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from ledger.events import MEDIUM_STORAGE
+from ledger.hashing import to_event_hash
+from services.config import SharedTierSpec
+from services.tiers.blocks import block_path, data_key, unpack_block
+from services.tiers.catalog import CatalogKeys
+from tests.engine.test_ledger_service import prompts
+from tests.harness.stack import Stack, dense_greedy
+
+TIER_GIB = 1 / 1024  # 32 blocks of the tiny Llama
+BLOCK_BYTES = 32 * 1024  # 4 layers, K and V, 16 tokens of one 64-wide head, float32
+SETTINGS = {"num_blocks": 24, "max_model_len": 112, "max_num_batched_tokens": 256}
+
+
+def documents() -> list[list[int]]:
+    return [
+        doc + tail
+        for doc, tail in zip(prompts(3, 64, seed=21), prompts(3, 8, seed=22), strict=True)
+    ]
+
+
+async def serve(stack: Stack, batch: list[list[int]], tag: str, max_tokens: int = 8) -> None:
+    for i, prompt in enumerate(batch):
+        await stack.submit(f"{tag}{i}", prompt, max_tokens)
+    await stack.wait([f"{tag}{i}" for i in range(len(batch))], timeout=120)
+
+
+async def until(condition, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def storage_events(stack: Stack) -> list[dict]:
+    return [
+        event
+        for _, fields in await stack.r.xrange(stack.streams.events)
+        for event in msgpack.unpackb(fields[b"batch"])[1]
+        if event.get("medium") == MEDIUM_STORAGE
+    ]
+
+
+def spec_of(kind: str, tmp_path: Path) -> SharedTierSpec:
+    return (
+        SharedTierSpec("dir", path=str(tmp_path / "kv"))
+        if kind == "dir"
+        else SharedTierSpec("redis")
+    )
+
+
+async def two_replicas(redis_url: str, tiny_model, spec: SharedTierSpec) -> tuple[Stack, Stack]:
+    prefix = f"t{uuid.uuid4().hex[:8]}"  # one catalog: the replicas share the key prefix
+    stacks = []
+    for name in ("ra", "rb"):
+        stacks.append(
+            await Stack(
+                redis_url, tiny_model, prefix=prefix, replica=name, kv_offloading_size=TIER_GIB,
+                kv_shared_tier=spec, **SETTINGS,
+            ).start()
+        )  # fmt: skip
+    return stacks[0], stacks[1]
+
+
+@pytest.mark.parametrize("kind", ["dir", "redis"])
+async def test_a_block_computed_on_one_replica_is_loaded_by_another(
+    redis_url, tiny_model, tmp_path, kind
+):
+    a, b = await two_replicas(redis_url, tiny_model, spec_of(kind, tmp_path))
+    try:
+        docs = documents()
+        await serve(a, docs, "a")
+        shared_a = a.ledger.scheduler.connector.manager  # the TieringManager
+        # 3 prompts of 72 tokens: 4 full blocks each went GPU -> CPU -> shared.
+        await until(lambda: shared_a.stats.cascades == 12)
+        assert a.ledger.shared.namespace == b.ledger.shared.namespace
+        shared_b = b.ledger.scheduler.connector.manager
+        await until(lambda: len(shared_b.index) == 12)  # B follows the catalog
+        computed_before = b.ledger.scheduler.num_prompt_tokens_computed
+        await serve(b, docs, "b")
+        scheduler = b.ledger.scheduler
+        assert shared_b.stats.promotions == 12 and shared_b.stats.promotion_failures == 0
+        assert scheduler.num_loaded_tokens == 3 * 64
+        # Only each prompt's last 8 tokens were computed on B: the rest came from A's work.
+        assert scheduler.num_prompt_tokens_computed - computed_before == 3 * 8
+        for i, prompt in enumerate(docs):
+            assert b.results[f"b{i}"].tokens == dense_greedy(tiny_model, prompt, 8), f"b{i}"
+            assert b.results[f"b{i}"].final.num_cached_tokens == 64
+        # A published its cascades as BlockStored with vLLM's STORAGE medium and the locality.
+        stored = await storage_events(a)
+        assert len(stored) == 12
+        assert all(e["type"] == "BlockStored" and e["locality"] == "REMOTE" for e in stored)
+        assert (await storage_events(b)) == []  # B wrote nothing to the tier
+        catalog = CatalogKeys(a.prefix, a.ledger.shared.namespace)
+        assert await a.r.zcard(catalog.index) == 12
+        # Every GPU block ends free on both replicas.
+        for stack in (a, b):
+            await until(lambda s=stack: s.ledger.manager.block_pool.get_num_free_blocks() == 23)
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "missing"])
+async def test_a_bad_block_is_recomputed_never_loaded(redis_url, tiny_model, tmp_path, damage):
+    spec = spec_of("dir", tmp_path)
+    a, b = await two_replicas(redis_url, tiny_model, spec)
+    try:
+        docs = documents()[:1]
+        await serve(a, docs, "a")
+        shared_a = a.ledger.scheduler.connector.manager
+        await until(lambda: shared_a.stats.cascades == 4)
+        namespace = a.ledger.shared.namespace
+        keys = sorted(shared_a.index.keys)
+        victim = block_path(spec.path, namespace, keys[0], 0)
+        data = victim.read_bytes()
+        if damage == "corrupt":
+            victim.write_bytes(data[:-10] + bytes(10 * [0xFF]))
+        elif damage == "truncated":
+            victim.write_bytes(data[: len(data) // 2])
+        else:
+            victim.unlink()
+        shared_b = b.ledger.scheduler.connector.manager
+        await until(lambda: len(shared_b.index) == 4)
+        await serve(b, docs, "b")
+        assert shared_b.stats.promotion_failures == 1
+        assert b.results["b0"].tokens == dense_greedy(tiny_model, docs[0], 8)
+        # B announced the bad block gone, recomputed it, and wrote it to the tier again.
+        removed = [e for e in await storage_events(b) if e["type"] == "BlockRemoved"]
+        assert [e["block_hashes"] for e in removed] == [[to_event_hash(keys[0][:-4])]]
+        await until(lambda: shared_b.stats.cascades >= 1)
+        assert keys[0] in shared_b.index
+        unpack_block(victim.read_bytes(), namespace, keys[0], 0, 1, BLOCK_BYTES)  # whole again
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+async def test_the_size_bound_evicts_the_oldest_blocks_and_their_values(redis_url, tiny_model):
+    spec = SharedTierSpec("redis")
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    # Room for 6 blocks (32 KiB each and a header): the second document's blocks evict the first's.
+    stack = await Stack(
+        redis_url, tiny_model, prefix=prefix, replica="ra", kv_offloading_size=TIER_GIB,
+        kv_shared_tier=spec, kv_shared_tier_size=6 * 33_000, **SETTINGS,
+    ).start()  # fmt: skip
+    try:
+        docs = documents()[:2]
+        await serve(stack, docs[:1], "a")
+        manager = stack.ledger.scheduler.connector.manager
+        await until(lambda: manager.stats.cascades == 4)
+        first = sorted(manager.index.keys)
+        await serve(stack, docs[1:], "b")
+        await until(lambda: manager.stats.cascades == 8)
+        await until(lambda: manager.stats.evictions >= 2)
+        namespace = stack.ledger.shared.namespace
+        catalog = CatalogKeys(prefix, namespace)
+        assert await stack.r.zcard(catalog.index) <= 6
+        evicted = [k for k in first if await stack.r.zscore(catalog.index, k) is None]
+        assert len(evicted) >= 2
+        for key in evicted:  # the values went with them
+            assert not await stack.r.exists(data_key(prefix, namespace, key, 0))
+        removed = [e for e in await storage_events(stack) if e["type"] == "BlockRemoved"]
+        assert sum(len(e["block_hashes"]) for e in removed) == manager.stats.evictions
+    finally:
+        await stack.stop()
