@@ -675,6 +675,7 @@ class Engine:
             return  # the status key is the leader's
         if self.shared is not None:
             await self.shared.refresh_size()
+            self.metrics.set_shared_tier_size(*self.shared.size)
         self.metrics.set_workers(
             {w: (h.device, h.attention_backend) for w, h in self.workers.items()}
         )

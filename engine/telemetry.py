@@ -34,6 +34,7 @@ from engine.translate import Tracked
 from ledger.block import BlockHash
 from ledger.hashing import to_event_hash
 from ledger.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from ledger.offloading.shared import TieringManager
 from ledger.request import Request
 from ledger.scheduler import Admission, Preemption, Scheduler, SchedulerOutput
 from ledger.step_costs import StepCostEstimator
@@ -556,3 +557,15 @@ class LedgerTelemetry:
                 loaded_blocks=loaded - seen_loaded, stored_blocks=stored - seen_stored
             )
             self._tier_blocks_seen = (loaded, stored)
+        tiering = scheduler.connector.manager if scheduler.connector is not None else None
+        if isinstance(tiering, TieringManager):
+            shared = tiering.stats
+            self.metrics.record_shared_tier(
+                {
+                    "promoted_blocks": shared.promotions,
+                    "promotion_failures": shared.promotion_failures,
+                    "cascaded_blocks": shared.cascades,
+                    "cascade_failures": shared.cascade_failures,
+                    "evicted_blocks": shared.evictions,
+                }
+            )

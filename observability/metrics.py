@@ -181,6 +181,27 @@ class LedgerMetrics:
             "kvledger:cpu_tier_stored_blocks",
             "KV blocks stored from the GPU cache into the CPU tier.",
         )
+        # The shared tier (--kv-shared-tier), behind the CPU tier: this ledger's copies.
+        self._shared_counters = {
+            name: self._counter(f"kvledger:shared_tier_{name}", text)
+            for name, text in (
+                ("promoted_blocks", "KV blocks promoted from the shared tier into the CPU tier "
+                 "(then loaded into the GPU cache instead of being computed)."),
+                ("promotion_failures", "KV blocks a promotion found missing, truncated or "
+                 "corrupt: recomputed, and removed from the shared tier's catalog."),
+                ("cascaded_blocks", "KV blocks written from the CPU tier to the shared tier."),
+                ("cascade_failures", "KV blocks the workers could not write to the shared tier."),
+                ("evicted_blocks", "KV blocks this ledger's writes evicted from the shared tier "
+                 "(past its size bound, those used longest ago)."),
+            )
+        }  # fmt: skip
+        self._shared_seen: dict[str, int] = dict.fromkeys(self._shared_counters, 0)
+        self._shared_size = Gauge(
+            "kvledger:shared_tier_size",
+            "What the shared tier's catalog lists, in blocks and bytes (every replica's).",
+            (*VLLM_LABELS, "unit"),
+            registry=registry,
+        )
         self._prompt_computed = self._counter(
             "kvledger:prompt_tokens_computed",
             "Prompt positions the workers computed (those a prefix-cache hit or a CPU-tier load "
@@ -225,6 +246,19 @@ class LedgerMetrics:
     def record_cpu_tier(self, *, loaded_blocks: int, stored_blocks: int) -> None:
         self._tier_loaded.inc(loaded_blocks)
         self._tier_stored.inc(stored_blocks)
+
+    def record_shared_tier(self, totals: Mapping[str, int]) -> None:
+        """The shared tier's counts since start (promoted_blocks, promotion_failures,
+        cascaded_blocks, cascade_failures, evicted_blocks): what grew since the last call."""
+        for name, counter in self._shared_counters.items():
+            total = totals.get(name, 0)
+            if total > self._shared_seen[name]:
+                counter.inc(total - self._shared_seen[name])
+                self._shared_seen[name] = total
+
+    def set_shared_tier_size(self, blocks: int, size_bytes: int) -> None:
+        self._shared_size.labels(**self.labels, unit="blocks").set(blocks)
+        self._shared_size.labels(**self.labels, unit="bytes").set(size_bytes)
 
     def record_prompt_tokens_computed(self, count: int) -> None:
         self._prompt_computed.inc(count)

@@ -108,6 +108,16 @@ async def test_a_block_computed_on_one_replica_is_loaded_by_another(
         assert (await storage_events(b)) == []  # B wrote nothing to the tier
         catalog = CatalogKeys(a.prefix, a.ledger.shared.namespace)
         assert await a.r.zcard(catalog.index) == 12
+        # On /metrics: B's promotions, A's cascades, the catalog's size.
+        labels = {"model_name": "kvledger-tiny-llama", "engine": "0"}
+
+        def metric(stack: Stack, name: str, **extra: str) -> float | None:
+            return stack.ledger.metrics.registry.get_sample_value(name, {**labels, **extra})
+
+        await until(lambda: metric(b, "kvledger:shared_tier_promoted_blocks_total") == 12)
+        await until(lambda: metric(a, "kvledger:shared_tier_cascaded_blocks_total") == 12)
+        await until(lambda: metric(a, "kvledger:shared_tier_size", unit="blocks") == 12)
+        assert metric(b, "kvledger:shared_tier_promotion_failures_total") == 0
         # Every GPU block ends free on both replicas.
         for stack in (a, b):
             await until(lambda s=stack: s.ledger.manager.block_pool.get_num_free_blocks() == 23)

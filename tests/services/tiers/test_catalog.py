@@ -1,0 +1,106 @@
+"""The shared tier's catalog on a real redis-server: commits, removals and touches in one fenced
+script, the size bound evicting the blocks used longest ago (and their Redis values), and a
+follower that reads the index once and then the log, reloading after a gap."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from services.tiers.blocks import data_key
+from services.tiers.catalog import CatalogFollower, CatalogKeys, CatalogWriter, Fenced, catalog_size
+from services.transport import redis_streams
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+@pytest.fixture
+async def r(redis_url):
+    client = redis_streams.connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+def keys() -> CatalogKeys:
+    return CatalogKeys(f"t{uuid.uuid4().hex[:8]}", "0123456789abcdef")
+
+
+async def test_commits_are_listed_logged_and_counted_once(r):
+    catalog = keys()
+    writer = CatalogWriter(r, catalog, "r0", max_bytes=10_000)
+    follower = CatalogFollower(r, catalog)
+    assert (await follower.poll()).stored == []  # the first poll reads the (empty) index
+    assert await writer.apply(1, 100, commits=[k(1), k(2)]) == []
+    assert await writer.apply(1, 100, commits=[k(2), k(3)]) == []  # k(2) again: counted once
+    assert await catalog_size(r, catalog) == (3, 300)
+    change = await follower.poll()
+    assert change is not None and not change.reloaded
+    assert sorted(change.stored) == [k(1), k(2), k(3)] and change.removed == []
+    assert await follower.poll(block_ms=None) is None
+
+
+async def test_removals_drop_the_listing_and_the_values(r):
+    catalog = keys()
+    writer = CatalogWriter(r, catalog, "r0", max_bytes=10_000, tp_size=2, redis_values=True)
+    for rank in (0, 1):
+        await r.set(data_key(catalog.prefix, catalog.namespace, k(1), rank), b"x", px=60_000)
+    await writer.apply(1, 100, commits=[k(1), k(2)])
+    # The commit keeps the values for good (they were written with an expiry).
+    assert await r.pttl(data_key(catalog.prefix, catalog.namespace, k(1), 1)) == -1
+    follower = CatalogFollower(r, catalog)
+    await follower.poll()
+    await writer.apply(1, 100, removals=[k(1)])
+    assert await catalog_size(r, catalog) == (1, 200)  # 2 ranks x 100 bytes a block
+    for rank in (0, 1):
+        assert not await r.exists(data_key(catalog.prefix, catalog.namespace, k(1), rank))
+    change = await follower.poll()
+    assert change.removed == [k(1)] and change.stored == []
+
+
+async def test_past_the_size_bound_the_blocks_used_longest_ago_go(r):
+    catalog = keys()
+    writer = CatalogWriter(r, catalog, "r0", max_bytes=300, redis_values=True)
+    await writer.apply(1, 100, commits=[k(1)])
+    await asyncio.sleep(0.01)
+    await writer.apply(1, 100, commits=[k(2)])
+    await asyncio.sleep(0.01)
+    await writer.apply(1, 100, commits=[k(3)])
+    await asyncio.sleep(0.01)
+    await writer.apply(1, 100, touches=[k(1)])  # k(1) used again: k(2) is now the oldest
+    await asyncio.sleep(0.01)
+    victims = await writer.apply(1, 100, commits=[k(4), k(5)])
+    assert victims == [k(2), k(3)]
+    assert await catalog_size(r, catalog) == (3, 300)
+    members = await r.zrange(catalog.index, 0, -1)
+    assert sorted(members) == [k(1), k(4), k(5)]
+
+
+async def test_a_deposed_leaders_writes_are_refused(r):
+    catalog = keys()
+    old = CatalogWriter(r, catalog, "r0", max_bytes=10_000)
+    await old.apply(3, 100, commits=[k(1)])
+    await old.apply(4, 100, commits=[k(2)])  # a successor (token 4) has written
+    with pytest.raises(Fenced):
+        await old.apply(3, 100, commits=[k(3)])
+    assert await r.zscore(catalog.index, k(3)) is None
+    # Another replica's tokens are its own.
+    await CatalogWriter(r, catalog, "r1", max_bytes=10_000).apply(1, 100, commits=[k(3)])
+    assert await r.zscore(catalog.index, k(3)) is not None
+
+
+async def test_a_follower_past_a_gap_reads_the_whole_index_again(r):
+    catalog = keys()
+    writer = CatalogWriter(r, catalog, "r0", max_bytes=10_000)
+    follower = CatalogFollower(r, catalog)
+    await writer.apply(1, 100, commits=[k(1)])
+    assert (await follower.poll()).reloaded  # the first read is the index
+    await writer.apply(1, 100, commits=[k(2)])
+    await r.xtrim(catalog.log, maxlen=0)  # the log moved on without this follower
+    await writer.apply(1, 100, commits=[k(3)], removals=[k(1)])
+    change = await follower.poll()
+    assert change.reloaded and sorted(change.stored) == [k(2), k(3)]
+    assert await follower.poll(block_ms=None) is None
