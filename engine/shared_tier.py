@@ -32,6 +32,7 @@ from services.tiers.catalog import (
     CatalogWriter,
     Fenced,
     catalog_size,
+    connect_tier,
 )
 from services.transport import redis_streams
 from services.wire.messages import SharedTierStatus
@@ -55,7 +56,7 @@ class SharedTierShell:
         assert spec is not None
         self.spec = spec
         self.owns_connection = bool(spec.redis_url)
-        self.r = redis_streams.connect(spec.redis_url) if spec.redis_url else r
+        self.r = connect_tier(spec.redis_url) if spec.redis_url else r
         self.manager = manager
         self.namespace = namespace
         self.fields = dict(fields)

@@ -33,7 +33,7 @@ from gpu_worker.offload import HostKVTier
 from observability import get_logger
 from services.config import SharedTierSpec
 from services.tiers.blocks import CorruptBlock, block_path, data_key, pack_block, unpack_block
-from services.transport import redis_streams
+from services.tiers.catalog import connect_tier
 from services.wire.messages import KVTransfers
 
 log = get_logger("kvledger.worker.shared_tier")
@@ -144,7 +144,7 @@ def make_backend(spec: SharedTierSpec, r: aioredis.Redis, prefix: str) -> Backen
     if spec.backend == "dir":
         return DirectoryBackend(spec.path)
     if spec.redis_url:
-        return RedisBackend(redis_streams.connect(spec.redis_url), prefix, owned=True)
+        return RedisBackend(connect_tier(spec.redis_url), prefix, owned=True)
     return RedisBackend(r, prefix)
 
 

@@ -29,8 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from services.tiers.blocks import catalog_base, data_key_prefix
+from services.transport import redis_streams
 
 LOG_MAXLEN = 100_000
 
@@ -88,6 +91,15 @@ local reply = {1}
 for _, k in ipairs(victims) do reply[#reply + 1] = k end
 return reply
 """
+
+
+def connect_tier(url: str) -> aioredis.Redis:
+    """A client for a shared tier on a server of its own (`--kv-shared-tier redis:URL`): every
+    wait bounded and nothing retried, so a tier that does not answer is a miss (the block is
+    recomputed), never a stalled step. Longer than the follower's 1 s blocking read."""
+    return redis_streams.connect(
+        url, socket_timeout=3.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
+    )
 
 
 class Fenced(Exception):

@@ -19,6 +19,7 @@ from ledger.hashing import to_event_hash
 from services.config import SharedTierSpec
 from services.tiers.blocks import block_path, data_key, unpack_block
 from services.tiers.catalog import CatalogKeys
+from services.transport.redis_server import RedisServer
 from tests.engine.test_ledger_service import prompts
 from tests.harness.stack import Stack, dense_greedy
 
@@ -189,3 +190,100 @@ async def test_the_size_bound_evicts_the_oldest_blocks_and_their_values(redis_ur
         assert sum(len(e["block_hashes"]) for e in removed) == manager.stats.evictions
     finally:
         await stack.stop()
+
+
+async def test_the_tier_unreachable_means_recompute_never_a_failed_request(
+    redis_url, tiny_model, tmp_path
+):
+    """The Redis backend on a server of its own: stopped, every request still ends with the
+    dense model's tokens (loads and writes fail, blocks are recomputed); restarted empty, the
+    replicas follow its empty catalog and fill it again."""
+    tier = RedisServer().start()
+    try:
+        a, b = await two_replicas(
+            redis_url, tiny_model, SharedTierSpec("redis", redis_url=tier.url)
+        )
+        try:
+            docs = documents()
+            await serve(a, docs[:2], "a")
+            shared_a, shared_b = (s.ledger.scheduler.connector.manager for s in (a, b))
+            await until(lambda: len(shared_b.index) == 8)
+            tier.stop()
+            await serve(b, docs[:2], "b")  # B's index lists them: every promotion fails
+            await serve(a, docs[2:], "c")  # A's cascades cannot be written
+            for stack, tag, batch in ((b, "b", docs[:2]), (a, "c", docs[2:])):
+                for i, prompt in enumerate(batch):
+                    assert stack.results[f"{tag}{i}"].tokens == dense_greedy(tiny_model, prompt, 8)
+            assert shared_b.stats.promotions == 0 and shared_b.stats.promotion_failures >= 1
+            assert shared_a.stats.cascade_failures >= 4
+            tier.start()  # the same port, empty: the followers read its empty index
+            await until(lambda: len(shared_a.index) == 0 and len(shared_b.index) == 0)
+            await serve(a, [prompts(1, 64, seed=23)[0]], "d")
+            await until(lambda: len(shared_b.index) == 4)
+        finally:
+            await b.stop()
+            await a.stop()
+    finally:
+        tier.stop()
+
+
+async def test_a_directory_that_cannot_be_written_means_recompute(redis_url, tiny_model, tmp_path):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the tier's directory should be")
+    a, b = await two_replicas(redis_url, tiny_model, SharedTierSpec("dir", path=str(blocked)))
+    try:
+        docs = documents()
+        await serve(a, docs, "a")
+        await serve(b, docs, "b")
+        shared_a = a.ledger.scheduler.connector.manager
+        await until(lambda: shared_a.stats.cascade_failures >= 12)
+        assert len(shared_a.index) == 0  # nothing written, nothing listed
+        for i, prompt in enumerate(docs):
+            assert b.results[f"b{i}"].tokens == dense_greedy(tiny_model, prompt, 8)
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+async def test_a_worker_lost_mid_run_leaves_no_block_listed_that_is_not_there(
+    redis_url, tiny_model, tmp_path
+):
+    spec = spec_of("dir", tmp_path)
+    a, b = await two_replicas(redis_url, tiny_model, spec)
+    try:
+        docs = documents() + [
+            p + t for p, t in zip(prompts(3, 64, seed=24), prompts(3, 8, seed=25), strict=True)
+        ]
+        for i, prompt in enumerate(docs):
+            await a.submit(f"a{i}", prompt, 8)
+        shared_a = a.ledger.scheduler.connector.manager
+        await until(lambda: shared_a.stats.cascades > 0)
+        await a.kill_worker("w0")  # mid-run: steps with copies in flight die with it
+        await a.start_worker("w1")
+        await a.wait([f"a{i}" for i in range(len(docs))], timeout=120)
+        for i, prompt in enumerate(docs):
+            assert a.results[f"a{i}"].tokens == dense_greedy(tiny_model, prompt, 8)
+        await until(lambda: not shared_a.has_pending_work())
+        # Every block the catalog lists is on disk, whole, under its key.
+        namespace = a.ledger.shared.namespace
+        listed = await a.r.zrange(CatalogKeys(a.prefix, namespace).index, 0, -1)
+        assert listed
+        for key in listed:
+            unpack_block(
+                block_path(spec.path, namespace, key, 0).read_bytes(),
+                namespace,
+                key,
+                0,
+                1,
+                BLOCK_BYTES,
+            )
+        # ...and B loads them all.
+        shared_b = b.ledger.scheduler.connector.manager
+        await until(lambda: len(shared_b.index) == len(listed))
+        await serve(b, docs, "b")
+        assert shared_b.stats.promotion_failures == 0
+        for i, prompt in enumerate(docs):
+            assert b.results[f"b{i}"].tokens == dense_greedy(tiny_model, prompt, 8)
+    finally:
+        await b.stop()
+        await a.stop()
