@@ -255,12 +255,10 @@ async def health(request: web.Request) -> web.Response:
     if status is None:
         body = {"status": "unavailable", "message": gw.unavailable_message(None), **gateway}
         return web.json_response(body, status=503)
-    ledger = msgspec.structs.asdict(status)
-    # /metrics shows the counters; v is the wire's; the eviction head is for routers.
-    for name in ("metrics", "v", "eviction"):
+    ledger = msgspec.to_builtins(status)  # nested records (costs, shared_tier) as objects
+    # /metrics shows the counters; v and kind are the wire's; the eviction head is for routers.
+    for name in ("metrics", "v", "kind", "eviction"):
         ledger.pop(name, None)
-    if status.costs is not None:
-        ledger["costs"] = msgspec.structs.asdict(status.costs)
     if status.num_workers == 0 or gw.routing.not_ready() is not None:  # not ready
         body = {"status": "unavailable", "message": gw.unavailable_message(status), **gateway}
         return web.json_response({**body, "ledger": ledger}, status=503)
