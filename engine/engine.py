@@ -153,7 +153,10 @@ class Engine:
         self._last_step_done = 0.0  # monotonic: when the last step's results were applied
         self._eviction_written = -1e9  # monotonic: the eviction head's last write
         self._eviction_step = -1  # the scheduler step it was written after
-        self.telemetry = LedgerTelemetry(tracer, self.metrics, self.scheduler, self.step_costs)
+        self.telemetry = LedgerTelemetry(
+            tracer, self.metrics, self.scheduler, self.step_costs,
+            bytes_per_block=sum(hello.bytes_per_block for hello in workers.values()),
+        )  # fmt: skip
         self.depth = 2 if config.async_scheduling else 1  # steps in flight at once
         self.in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = (
             collections.deque()

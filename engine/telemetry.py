@@ -118,8 +118,10 @@ class LedgerTelemetry:
         metrics: LedgerMetrics | None,
         scheduler: Scheduler[Tracked] | None = None,
         costs: StepCostEstimator | None = None,
+        bytes_per_block: int = 0,
     ) -> None:
         self.tracer = lean_tracer(tracer)
+        self.bytes_per_block = bytes_per_block  # the KV of one block over the replica's workers
         self.metrics = metrics
         self.costs = costs  # the queue waits feed the step costs published for routers
         self.scheduler = scheduler
@@ -263,6 +265,14 @@ class LedgerTelemetry:
             Attr.FREE_BLOCKS_AFTER: admission.num_free_blocks_after,
             Attr.WATERMARK_APPLIED: admission.watermark_applied,
         }
+        if admission.num_loaded_tokens:
+            attributes[Attr.LOADED_TOKENS] = admission.num_loaded_tokens
+            blocks = admission.num_loaded_tokens // self.block_size
+            attributes[Attr.LOADED_BYTES] = blocks * self.bytes_per_block
+            attributes[Attr.LOADED_SHARED_BLOCKS] = admission.num_shared_blocks
+        if request is not None and not admission.resumed:
+            hit = admission.num_hit_tokens + admission.num_loaded_tokens
+            attributes[Attr.RECOMPUTED_TOKENS] = max(request.num_prompt_tokens - hit, 0)
         links: list[Link] = []
         if request is not None:
             num_lost, evictors = self._prefix_lost(request, admission.num_hit_blocks)

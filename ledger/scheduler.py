@@ -463,6 +463,7 @@ class Scheduler(Generic[P]):
                 num_free_blocks_after=manager.num_free_blocks,
                 watermark_applied=watermark_applied,
                 num_loaded_tokens=num_loaded,
+                num_shared_blocks=connector.take_promoted(request_id) if num_loaded else 0,
             )
         )
         return None, num_new_tokens

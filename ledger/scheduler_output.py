@@ -54,6 +54,7 @@ class Admission:
     num_free_blocks_after: int
     watermark_applied: bool
     num_loaded_tokens: int = 0  # of its computed tokens, those the CPU tier loaded
+    num_shared_blocks: int = 0  # of the blocks loaded, those promoted from the shared tier first
 
 
 @dataclass(slots=True)

@@ -111,6 +111,11 @@ class Attr:
     REQUEST_ID = "kvledger.request_id"
     PREFIX_HIT_TOKENS = "kvledger.prefix_hit.tokens"
     PREFIX_HIT_BLOCKS = "kvledger.prefix_hit.blocks"
+    # loaded from the offloaded tiers instead of computed (the CPU tier, the shared tier via it)
+    LOADED_TOKENS = "kvledger.loaded.tokens"
+    LOADED_BYTES = "kvledger.loaded.bytes"
+    LOADED_SHARED_BLOCKS = "kvledger.loaded.shared_blocks"  # promoted from the shared tier first
+    RECOMPUTED_TOKENS = "kvledger.recomputed.tokens"  # prompt tokens no tier held: computed
     # kvledger.route: the decision, then every replica's score as parallel arrays in one order
     ROUTE_POLICY = "kvledger.route.policy"
     ROUTE_REPLICA = "kvledger.route.replica"

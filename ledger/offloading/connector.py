@@ -409,6 +409,12 @@ class OffloadingConnectorScheduler:
         """Shared-tier copies waiting for a step: one is due even with no request left."""
         return isinstance(self.manager, TieringManager) and self.manager.has_queued_work()
 
+    def take_promoted(self, req_id: str) -> int:
+        """Blocks promoted from the shared tier for this request since the last call."""
+        if isinstance(self.manager, TieringManager):
+            return self.manager.promoted_for.pop(req_id, 0)
+        return 0
+
     def update_shared_output(self, failed: Mapping[int, Sequence[int]]) -> None:
         """The workers' reports of the step's shared-tier copies (job id -> failed key indices)."""
         if isinstance(self.manager, TieringManager):

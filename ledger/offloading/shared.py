@@ -128,6 +128,8 @@ class TieringManager:
         self.promoting: set[OffloadKey] = set()  # queued or in flight
         self.cascading: set[OffloadKey] = set()
         self.changes = CatalogChanges()
+        # Blocks promoted for each request, until its admission reads them (its trace says so).
+        self.promoted_for: dict[str, int] = {}
 
     # --- what the connector reads of the CPU manager ---
 
@@ -207,6 +209,7 @@ class TieringManager:
 
     def on_request_finished(self, context: RequestContext) -> None:
         self.primary.on_request_finished(context)
+        self.promoted_for.pop(context.req_id, None)
 
     def ready_keys(self) -> list[OffloadKey]:
         return self.primary.ready_keys()
@@ -255,6 +258,7 @@ class TieringManager:
             self.primary.complete_store(good, context, True)
             self.changes.touches.extend(good)
             self.stats.promotions += len(good)
+            self.promoted_for[context.req_id] = self.promoted_for.get(context.req_id, 0) + len(good)
         if bad:
             # Released unannounced (the CPU tier never held them); the tier does not hold them
             # either: forgotten here, removed from the catalog, published as gone.
@@ -327,3 +331,4 @@ class TieringManager:
         self.jobs.clear()
         self.promoting.clear()
         self.cascading.clear()
+        self.promoted_for.clear()

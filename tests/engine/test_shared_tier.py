@@ -21,6 +21,8 @@ from services.tiers.blocks import block_path, data_key, unpack_block
 from services.tiers.catalog import CatalogKeys
 from services.transport.redis_server import RedisServer
 from tests.engine.test_ledger_service import prompts
+from tests.engine.test_ledger_traces import Traced
+from tests.harness.spans import named
 from tests.harness.stack import Stack, dense_greedy
 
 TIER_GIB = 1 / 1024  # 32 blocks of the tiny Llama
@@ -287,3 +289,35 @@ async def test_a_worker_lost_mid_run_leaves_no_block_listed_that_is_not_there(
     finally:
         await b.stop()
         await a.stop()
+
+
+async def test_a_requests_trace_says_what_it_loaded_from_which_tier_and_what_it_recomputed(
+    redis_url, tiny_model, tmp_path
+):
+    spec = spec_of("dir", tmp_path)
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    a = await Stack(
+        redis_url, tiny_model, prefix=prefix, replica="ra", kv_offloading_size=TIER_GIB,
+        kv_shared_tier=spec, **SETTINGS,
+    ).start()  # fmt: skip
+    traced = Traced(
+        redis_url, tiny_model, prefix=prefix, replica="rb", kv_offloading_size=TIER_GIB,
+        kv_shared_tier=spec, **SETTINGS,
+    )  # fmt: skip
+    b = await traced.stack.start()
+    try:
+        doc = documents()[0]
+        await serve(a, [doc], "a")
+        await until(lambda: len(b.ledger.scheduler.connector.manager.index) == 4)
+        await traced.submit("b0", doc, 8)
+        await b.wait(["b0"], timeout=60)
+    finally:
+        await b.stop()
+        await a.stop()
+    (admit,) = named(traced.traces()["b0"], "kvledger.admit")
+    attributes = admit["attributes"]
+    assert attributes["kvledger.loaded.tokens"] == 64
+    assert attributes["kvledger.loaded.shared_blocks"] == 4
+    assert attributes["kvledger.loaded.bytes"] == 4 * BLOCK_BYTES
+    assert attributes["kvledger.recomputed.tokens"] == 8
+    assert attributes["kvledger.prefix_hit.tokens"] == 0  # B's GPU had none of it
