@@ -28,13 +28,13 @@ from services.config import LedgerConfig
 from services.tiers.catalog import (
     CatalogChange,
     CatalogFollower,
-    CatalogKeys,
     CatalogWriter,
     Fenced,
     catalog_size,
     connect_tier,
 )
 from services.transport import redis_streams
+from services.transport.keys import SharedTierKeys
 from services.wire.messages import SharedTierStatus
 
 log = get_logger("kvledger.ledger.shared_tier")
@@ -63,7 +63,7 @@ class SharedTierShell:
         self.leadership = leadership
         self.bytes_per_block = bytes_per_block
         self.max_bytes = config.kv_shared_tier_size
-        self.keys = CatalogKeys(config.stream_prefix, namespace)
+        self.keys = SharedTierKeys(config.stream_prefix, namespace)
         self.writer = CatalogWriter(
             self.r, self.keys, config.replica, config.kv_shared_tier_size, tp_size,
             redis_values=spec.backend == "redis",

@@ -32,8 +32,9 @@ import redis.asyncio as aioredis
 from gpu_worker.offload import HostKVTier
 from observability import get_logger
 from services.config import SharedTierSpec
-from services.tiers.blocks import CorruptBlock, block_path, data_key, pack_block, unpack_block
+from services.tiers.blocks import CorruptBlock, block_path, pack_block, unpack_block
 from services.tiers.catalog import connect_tier
+from services.transport.keys import SharedTierKeys
 from services.wire.messages import KVTransfers
 
 log = get_logger("kvledger.worker.shared_tier")
@@ -114,7 +115,7 @@ class RedisBackend(Backend):
     async def read(self, namespace: str, keys: Sequence[bytes], rank: int) -> list[bytes | None]:
         if not keys:
             return []
-        names = [data_key(self.prefix, namespace, key, rank) for key in keys]
+        names = [SharedTierKeys(self.prefix, namespace).data(key, rank) for key in keys]
         values: list[Any] = await self.r.mget(names)
         return [bytes(v) if v is not None else None for v in values]
 
@@ -126,14 +127,16 @@ class RedisBackend(Backend):
         async with self.r.pipeline(transaction=False) as pipe:
             for key, value in zip(keys, values, strict=True):
                 pipe.set(
-                    data_key(self.prefix, namespace, key, rank), value,
+                    SharedTierKeys(self.prefix, namespace).data(key, rank), value,
                     nx=True, px=UNCOMMITTED_TTL_MS,
                 )  # fmt: skip
             await pipe.execute()
 
     async def delete(self, namespace: str, keys: Sequence[bytes], rank: int) -> None:
         if keys:
-            await self.r.delete(*[data_key(self.prefix, namespace, key, rank) for key in keys])
+            await self.r.delete(
+                *[SharedTierKeys(self.prefix, namespace).data(key, rank) for key in keys]
+            )
 
     async def close(self) -> None:
         if self.owned:

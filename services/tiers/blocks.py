@@ -7,7 +7,7 @@ A reader checks every field against what it asked for and the CRC against the pa
 block of another namespace, key or rank, a truncated file or value, and flipped bits are all
 refused (`CorruptBlock`) and the block is recomputed. Where a block lives: a directory backend
 keeps one file per block and rank, `<root>/<namespace>/<2 hex>/<key hex>.r<rank>.kvb`; a Redis
-backend one value per block and rank under `data_key`, in the namespace's hash slot.
+backend one value per block and rank (`services.transport.keys.SharedTierKeys.data`).
 """
 
 from __future__ import annotations
@@ -62,19 +62,6 @@ def unpack_block(
     if zlib.crc32(payload) != crc:
         raise CorruptBlock("checksum mismatch")
     return payload
-
-
-def catalog_base(prefix: str, namespace: str) -> str:
-    """Every catalog key and Redis value of one namespace: one hash slot of a Redis Cluster."""
-    return f"{prefix}:{{kvs:{namespace}}}"
-
-
-def data_key_prefix(prefix: str, namespace: str) -> bytes:
-    return f"{catalog_base(prefix, namespace)}:d:".encode()
-
-
-def data_key(prefix: str, namespace: str, key: bytes, rank: int) -> bytes:
-    return data_key_prefix(prefix, namespace) + key + b":r" + str(rank).encode()
 
 
 def block_path(root: str | Path, namespace: str, key: bytes, rank: int) -> Path:

@@ -32,8 +32,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from services.tiers.blocks import catalog_base, data_key_prefix
 from services.transport import redis_streams
+from services.transport.keys import SharedTierKeys
 
 LOG_MAXLEN = 100_000
 
@@ -106,40 +106,6 @@ class Fenced(Exception):
     """A later leader of this replica has written to the catalog: this one is deposed."""
 
 
-@dataclass(frozen=True, slots=True)
-class CatalogKeys:
-    prefix: str
-    namespace: str
-
-    @property
-    def base(self) -> str:
-        return catalog_base(self.prefix, self.namespace)
-
-    @property
-    def index(self) -> str:
-        return f"{self.base}:index"
-
-    @property
-    def bytes(self) -> str:
-        return f"{self.base}:bytes"
-
-    @property
-    def log(self) -> str:
-        return f"{self.base}:log"
-
-    @property
-    def seq(self) -> str:
-        return f"{self.base}:seq"
-
-    @property
-    def fence(self) -> str:
-        return f"{self.base}:fence"
-
-    @property
-    def all(self) -> list[str]:
-        return [self.index, self.log, self.bytes, self.fence, self.seq]
-
-
 def unpack_keys(packed: bytes) -> list[bytes]:
     keys, at = [], 0
     while at < len(packed):
@@ -154,7 +120,7 @@ class CatalogWriter:
     """One replica's writes to the catalog, fenced by its leader token."""
 
     r: aioredis.Redis
-    keys: CatalogKeys
+    keys: SharedTierKeys
     replica: str
     max_bytes: int
     tp_size: int = 1
@@ -175,13 +141,12 @@ class CatalogWriter:
         """Write the changes; the blocks evicted past the size bound. Raises Fenced."""
         if not (commits or removals or touches):
             return []
-        data_prefix = data_key_prefix(self.keys.prefix, self.keys.namespace)
         reply = await self._script(
-            keys=self.keys.all,
+            keys=self.keys.catalog,
             args=[
                 self.replica, token, int(time.time() * 1000), self.max_bytes,
                 bytes_per_block * self.tp_size, self.tp_size,
-                data_prefix if self.redis_values else b"", LOG_MAXLEN,
+                self.keys.data_prefix if self.redis_values else b"", LOG_MAXLEN,
                 len(commits), len(removals), *commits, *removals, *touches,
             ],
         )  # fmt: skip
@@ -205,7 +170,7 @@ class CatalogFollower:
     there. `poll` returns the changes since (or, after a gap, the whole index: `reloaded`);
     `restart` makes the next poll read the index again (after a lost connection)."""
 
-    def __init__(self, r: aioredis.Redis, keys: CatalogKeys) -> None:
+    def __init__(self, r: aioredis.Redis, keys: SharedTierKeys) -> None:
         self.r = r
         self.keys = keys
         self.last_id: str = "0-0"
@@ -255,11 +220,11 @@ def _id(entry_id: bytes | str) -> str:
     return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
 
-async def catalog_size(r: aioredis.Redis, keys: CatalogKeys) -> tuple[int, int]:
+async def catalog_size(r: aioredis.Redis, keys: SharedTierKeys) -> tuple[int, int]:
     """(blocks listed, bytes they take)."""
     async with r.pipeline(transaction=False) as pipe:
         pipe.zcard(keys.index)
-        pipe.get(keys.bytes)
+        pipe.get(keys.size)
         blocks, size = await pipe.execute()
     return int(blocks or 0), int(size or 0)
 

@@ -104,6 +104,56 @@ class StreamNames:
         return f"{self.base}:tp:{group}:{epoch}"
 
 
+@dataclass(frozen=True, slots=True)
+class SharedTierKeys:
+    """Every Redis key of one shared-tier namespace (`services/tiers`), outside every replica:
+    `{prefix}:{{kvs:<namespace>}}:...`, one hash slot, so the catalog's script sees them all."""
+
+    prefix: str
+    namespace: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{kvs:{self.namespace}}}"
+
+    @property
+    def index(self) -> str:
+        """Sorted set: every block the tier holds (offload key bytes) -> its last use (ms)."""
+        return f"{self.base}:index"
+
+    @property
+    def size(self) -> str:
+        """The bytes the listed blocks take (every rank's)."""
+        return f"{self.base}:bytes"
+
+    @property
+    def log(self) -> str:
+        """Stream of the catalog's changes (services/tiers/catalog.py)."""
+        return f"{self.base}:log"
+
+    @property
+    def seq(self) -> str:
+        return f"{self.base}:seq"
+
+    @property
+    def fence(self) -> str:
+        """Hash: replica -> the highest leader token that wrote the catalog."""
+        return f"{self.base}:fence"
+
+    @property
+    def catalog(self) -> list[str]:
+        """The catalog's keys, as its script takes them."""
+        return [self.index, self.log, self.size, self.fence, self.seq]
+
+    @property
+    def data_prefix(self) -> bytes:
+        """A Redis backend's values: this, the offload key's bytes, then `:r<rank>`."""
+        return f"{self.base}:d:".encode()
+
+    def data(self, key: bytes, rank: int) -> bytes:
+        return self.data_prefix + key + b":r" + str(rank).encode()
+
+
 def stored_response(prefix: str, response_id: str) -> str:
     """A /v1/responses answer kept for previous_response_id (gateway --enable-responses-store).
     Outside every replica: any gateway of the prefix reads it."""

@@ -17,8 +17,8 @@ import pytest
 from ledger.events import MEDIUM_STORAGE
 from ledger.hashing import to_event_hash
 from services.config import SharedTierSpec
-from services.tiers.blocks import block_path, data_key, unpack_block
-from services.tiers.catalog import CatalogKeys
+from services.tiers.blocks import block_path, unpack_block
+from services.transport.keys import SharedTierKeys
 from services.transport.redis_server import RedisServer
 from tests.engine.test_ledger_service import prompts
 from tests.engine.test_ledger_traces import Traced
@@ -109,7 +109,7 @@ async def test_a_block_computed_on_one_replica_is_loaded_by_another(
         assert len(stored) == 12
         assert all(e["type"] == "BlockStored" and e["locality"] == "REMOTE" for e in stored)
         assert (await storage_events(b)) == []  # B wrote nothing to the tier
-        catalog = CatalogKeys(a.prefix, a.ledger.shared.namespace)
+        catalog = SharedTierKeys(a.prefix, a.ledger.shared.namespace)
         assert await a.r.zcard(catalog.index) == 12
         # On /metrics: B's promotions, A's cascades, the catalog's size.
         labels = {"model_name": "kvledger-tiny-llama", "engine": "0"}
@@ -182,12 +182,12 @@ async def test_the_size_bound_evicts_the_oldest_blocks_and_their_values(redis_ur
         await until(lambda: manager.stats.cascades == 8)
         await until(lambda: manager.stats.evictions >= 2)
         namespace = stack.ledger.shared.namespace
-        catalog = CatalogKeys(prefix, namespace)
+        catalog = SharedTierKeys(prefix, namespace)
         assert await stack.r.zcard(catalog.index) <= 6
         evicted = [k for k in first if await stack.r.zscore(catalog.index, k) is None]
         assert len(evicted) >= 2
         for key in evicted:  # the values went with them
-            assert not await stack.r.exists(data_key(prefix, namespace, key, 0))
+            assert not await stack.r.exists(SharedTierKeys(prefix, namespace).data(key, 0))
         removed = [e for e in await storage_events(stack) if e["type"] == "BlockRemoved"]
         assert sum(len(e["block_hashes"]) for e in removed) == manager.stats.evictions
     finally:
@@ -268,7 +268,7 @@ async def test_a_worker_lost_mid_run_leaves_no_block_listed_that_is_not_there(
         await until(lambda: not shared_a.has_pending_work())
         # Every block the catalog lists is on disk, whole, under its key.
         namespace = a.ledger.shared.namespace
-        listed = await a.r.zrange(CatalogKeys(a.prefix, namespace).index, 0, -1)
+        listed = await a.r.zrange(SharedTierKeys(a.prefix, namespace).index, 0, -1)
         assert listed
         for key in listed:
             unpack_block(

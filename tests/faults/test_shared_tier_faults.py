@@ -18,8 +18,7 @@ import pytest
 import redis
 
 from services.tiers.blocks import block_path, unpack_block
-from services.tiers.catalog import CatalogKeys
-from services.transport.keys import StreamNames
+from services.transport.keys import SharedTierKeys, StreamNames
 from services.wire import codec
 from services.wire.messages import LedgerStatus
 from tests.faults.conftest import Load, check, children, expected_texts, fault_stack, wait_recovered
@@ -50,7 +49,7 @@ def test_a_worker_killed_mid_copy_leaves_only_whole_blocks_listed(tmp_path):
             status = codec.decode(r.get(StreamNames("kvl", "default").ledger_status), LedgerStatus)
             assert status.shared_tier is not None
             namespace = status.shared_tier.namespace
-            listed = r.zrange(CatalogKeys("kvl", namespace).index, 0, -1)
+            listed = r.zrange(SharedTierKeys("kvl", namespace).index, 0, -1)
         finally:
             r.close()
         assert listed

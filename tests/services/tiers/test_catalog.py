@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from services.tiers.blocks import data_key
-from services.tiers.catalog import CatalogFollower, CatalogKeys, CatalogWriter, Fenced, catalog_size
+from services.tiers.catalog import CatalogFollower, CatalogWriter, Fenced, catalog_size
 from services.transport import redis_streams
+from services.transport.keys import SharedTierKeys
 
 
 def k(i: int) -> bytes:
@@ -25,8 +25,8 @@ async def r(redis_url):
     await client.aclose()
 
 
-def keys() -> CatalogKeys:
-    return CatalogKeys(f"t{uuid.uuid4().hex[:8]}", "0123456789abcdef")
+def keys() -> SharedTierKeys:
+    return SharedTierKeys(f"t{uuid.uuid4().hex[:8]}", "0123456789abcdef")
 
 
 async def test_commits_are_listed_logged_and_counted_once(r):
@@ -47,16 +47,20 @@ async def test_removals_drop_the_listing_and_the_values(r):
     catalog = keys()
     writer = CatalogWriter(r, catalog, "r0", max_bytes=10_000, tp_size=2, redis_values=True)
     for rank in (0, 1):
-        await r.set(data_key(catalog.prefix, catalog.namespace, k(1), rank), b"x", px=60_000)
+        await r.set(
+            SharedTierKeys(catalog.prefix, catalog.namespace).data(k(1), rank), b"x", px=60_000
+        )
     await writer.apply(1, 100, commits=[k(1), k(2)])
     # The commit keeps the values for good (they were written with an expiry).
-    assert await r.pttl(data_key(catalog.prefix, catalog.namespace, k(1), 1)) == -1
+    assert await r.pttl(SharedTierKeys(catalog.prefix, catalog.namespace).data(k(1), 1)) == -1
     follower = CatalogFollower(r, catalog)
     await follower.poll()
     await writer.apply(1, 100, removals=[k(1)])
     assert await catalog_size(r, catalog) == (1, 200)  # 2 ranks x 100 bytes a block
     for rank in (0, 1):
-        assert not await r.exists(data_key(catalog.prefix, catalog.namespace, k(1), rank))
+        assert not await r.exists(
+            SharedTierKeys(catalog.prefix, catalog.namespace).data(k(1), rank)
+        )
     change = await follower.poll()
     assert change.removed == [k(1)] and change.stored == []
 
