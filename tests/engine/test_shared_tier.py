@@ -14,14 +14,17 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from gpu_worker.checkpoint import load_model
 from ledger.events import MEDIUM_STORAGE
 from ledger.hashing import to_event_hash
 from services.config import SharedTierSpec
 from services.tiers.blocks import block_path, unpack_block
 from services.transport.keys import SharedTierKeys
 from services.transport.redis_server import RedisServer
+from tests.engine.test_cpu_tier import serve as serve_cpu_workload
 from tests.engine.test_ledger_service import prompts
 from tests.engine.test_ledger_traces import Traced
+from tests.gpu_worker.checkpoints import ARCHITECTURES, make_tiny_checkpoint
 from tests.harness.spans import named
 from tests.harness.stack import Stack, dense_greedy
 
@@ -321,3 +324,26 @@ async def test_a_requests_trace_says_what_it_loaded_from_which_tier_and_what_it_
     assert attributes["kvledger.loaded.bytes"] == 4 * BLOCK_BYTES
     assert attributes["kvledger.recomputed.tokens"] == 8
     assert attributes["kvledger.prefix_hit.tokens"] == 0  # B's GPU had none of it
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+async def test_tiers_change_no_greedy_token_of_llama_mistral_or_qwen2(redis_url, tmp_path, arch):
+    """Through preemption and loads of blocks evicted mid-flight (tests/engine/test_cpu_tier.py's
+    workload), on one replica with both tiers and on a second that finds the first's blocks in
+    the shared tier: the tokens of the run without tiers, for each architecture."""
+    model = load_model(make_tiny_checkpoint(tmp_path, arch), dtype="float32")
+    off = await Stack(redis_url, model, **SETTINGS).start()
+    try:
+        tokens_off = await serve_cpu_workload(off)
+    finally:
+        await off.stop()
+    a, b = await two_replicas(redis_url, model, spec_of("dir", tmp_path))
+    try:
+        assert await serve_cpu_workload(a) == tokens_off
+        manager_b = b.ledger.scheduler.connector.manager
+        await until(lambda: len(manager_b.index) >= 8)
+        assert await serve_cpu_workload(b) == tokens_off
+        assert manager_b.stats.promotions > 0 and b.ledger.scheduler.num_preemptions > 0
+    finally:
+        await b.stop()
+        await a.stop()
