@@ -1,6 +1,7 @@
-"""The CPU tier on the public trace: prefill tokens computed, TTFT and output throughput with the
-tier on, against no tier (the baseline) and a GPU pool holding every block (the bound), in one
-run.
+"""The offloaded tiers on the public trace: prefill tokens computed, TTFT and output throughput
+with the CPU tier on, against no tier (the baseline) and a GPU pool holding every block (the
+bound), in one run; with `--shared`, also two replicas behind a shared tier (the second replays
+the window after the first: what it loads, the first computed).
 
 The Mooncake FAST'25 synthetic trace (../shared/traces), replayed as every benchmark of this
 project replays it (each hash id a fixed run of 16 token ids, at most 32 ids per prompt,
@@ -12,7 +13,10 @@ distinct blocks, the tier holds all of them (or `--tier-blocks`).
 
     .venv/bin/python benchmarks/tiers.py                                  # requests 3000-3199
     .venv/bin/python benchmarks/tiers.py --first 0 --count 400 --policy arc
-    .venv/bin/python benchmarks/tiers.py --json benchmarks/results/tiers.json
+    .venv/bin/python benchmarks/tiers.py --model smollm2 --repeats 3 --shared --json benchmarks/results/tiers-smollm2.json
+
+`--repeats N` runs the settings N times, interleaved (each repetition every setting in turn, the
+order rotated), and reports each figure's median with its range.
 
 Issue 25's targets, on the whole trace: prefill tokens computed with the tier within 10% of the
 bound's; TTFT p50 <= 0.8x the baseline's. A window of the tiny model on 2 CPU cores says whether
@@ -27,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +42,7 @@ import torch
 from gpu_worker.checkpoint import load_model
 from ledger.capacity import cdiv
 from observability.logging import configure_logging
+from services.config import SharedTierSpec
 from services.transport.redis_server import RedisServer
 from services.wire.messages import RequestOutput
 from tests.harness.routing_workload import TraceReplay, Turn, prefix_bound, trace_turns
@@ -49,6 +55,7 @@ MAX_MODEL_LEN = 528  # 32 blocks of prompt and the outputs
 @dataclass
 class Figures:
     setting: str
+    repetition: int
     gpu_blocks: int
     tier_blocks: int
     requests: int
@@ -56,6 +63,7 @@ class Figures:
     prefill_tokens_computed: int
     loaded_blocks: int
     stored_blocks: int
+    shared_blocks: int  # of the loaded, those promoted from the shared tier
     preemptions: int
     ttft_p50_ms: float
     ttft_p99_ms: float
@@ -89,17 +97,22 @@ class TimedStack(Stack):
 
 async def replay(
     url: str, model, turns: list[Turn], setting: str, gpu_blocks: int, tier_blocks: int,
-    args: argparse.Namespace,
+    args: argparse.Namespace, repetition: int = 0, shared: SharedTierSpec | None = None,
+    prefix: str | None = None, replica: str = "default",
 ) -> Figures:  # fmt: skip
     bytes_per_block = 2 * model.config.num_hidden_layers * model.num_local_kv_heads
     bytes_per_block *= BLOCK_SIZE * model.config.head_dim * 4  # float32
-    tier = {}
+    tier: dict = {}
     if tier_blocks:
         tier["kv_offloading_size"] = tier_blocks * cdiv(bytes_per_block, 4096) * 4096 / 2**30
         tier["kv_transfer_config"] = {"eviction_policy": args.policy}
+    if shared is not None:
+        tier["kv_shared_tier"] = shared
+        tier["kv_shared_tier_size"] = 2 * tier_blocks * bytes_per_block
     stack = TimedStack(
         url, model, num_blocks=gpu_blocks + 1, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=2048, max_num_seqs=args.concurrency, **tier,
+        max_num_batched_tokens=2048, max_num_seqs=args.concurrency, prefix=prefix,
+        replica=replica, **tier,
     )  # fmt: skip
     await stack.start()
     try:
@@ -117,10 +130,11 @@ async def replay(
         ttft = sorted((stack.first[r] - stack.sent[r]) * 1000 for r in stack.first)
         output = sum(len(result.tokens) for result in stack.results.values())
         return Figures(
-            setting=setting, gpu_blocks=gpu_blocks, tier_blocks=tier_blocks,
+            setting=setting, repetition=repetition, gpu_blocks=gpu_blocks, tier_blocks=tier_blocks,
             requests=len(turns), prompt_tokens=sum(len(t.prompt_token_ids) for t in turns),
             prefill_tokens_computed=ledger.scheduler.num_prompt_tokens_computed,
             loaded_blocks=scheduler.num_loaded_blocks, stored_blocks=scheduler.num_stored_blocks,
+            shared_blocks=shared_promotions(scheduler),
             preemptions=scheduler.num_preemptions,
             ttft_p50_ms=round(statistics.median(ttft), 1),
             ttft_p99_ms=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1),
@@ -128,6 +142,12 @@ async def replay(
         )  # fmt: skip
     finally:
         await stack.stop()
+
+
+def shared_promotions(scheduler) -> int:
+    manager = scheduler.connector.manager if scheduler.connector is not None else None
+    stats = getattr(manager, "stats", None)
+    return stats.promotions if stats is not None else 0
 
 
 def distinct_blocks(turns: list[Turn]) -> int:
@@ -141,7 +161,7 @@ def distinct_blocks(turns: list[Turn]) -> int:
 
 async def main_async(args: argparse.Namespace) -> list[Figures]:
     torch.set_num_threads(args.threads)
-    model = load_model("tiny", seed=0)
+    model = load_model(args.model, seed=0, dtype="float32")
     replay_spec = TraceReplay(first=args.first, count=args.count, vocab=model.config.vocab_size)
     turns = trace_turns(replay_spec)
     distinct = distinct_blocks(turns)
@@ -160,30 +180,79 @@ async def main_async(args: argparse.Namespace) -> list[Figures]:
         (f"CPU tier, {args.policy}", gpu, tier),
         ("GPU holds all (bound)", max(distinct + needed, gpu), 0),
     ]
+    if args.shared:
+        settings.append(("shared tier, second replica", gpu, tier))
     results = []
     with RedisServer() as server:
-        for name, gpu_blocks, tier_blocks in settings:
-            figures = await replay(server.url, model, turns, name, gpu_blocks, tier_blocks, args)
-            print(f"  {name}: {figures.wall_s} s", flush=True)
-            results.append(figures)
+        for repetition in range(args.repeats):
+            shift = repetition % len(settings)
+            for name, gpu_blocks, tier_blocks in settings[shift:] + settings[:shift]:
+                if name.startswith("shared"):
+                    figures = await second_replica(
+                        server.url, model, turns, name, gpu_blocks, tier_blocks, args, repetition
+                    )
+                else:
+                    figures = await replay(
+                        server.url, model, turns, name, gpu_blocks, tier_blocks, args, repetition
+                    )
+                print(f"  {name} ({repetition + 1}/{args.repeats}): {figures.wall_s} s", flush=True)
+                results.append(figures)
     return results
 
 
+async def second_replica(
+    url: str, model, turns: list[Turn], name: str, gpu_blocks: int, tier_blocks: int,
+    args: argparse.Namespace, repetition: int,
+) -> Figures:  # fmt: skip
+    """Replica A replays the window into the shared tier (a Redis backend), then replica B,
+    cold, replays it again: B's figures."""
+    prefix, shared = f"tiers{repetition}{uuid.uuid4().hex[:6]}", SharedTierSpec("redis")
+    await replay(url, model, turns, "first replica", gpu_blocks, tier_blocks, args, repetition,
+                 shared, prefix, "ra")  # fmt: skip
+    await asyncio.sleep(1.0)  # B's follower reads the catalog A wrote
+    return await replay(url, model, turns, name, gpu_blocks, tier_blocks, args, repetition,
+                        shared, prefix, "rb")  # fmt: skip
+
+
 def table(results: list[Figures]) -> str:
-    base = results[0]
+    """Each setting's medians over the repetitions (range in brackets when more than one); the
+    ratios are against the baseline's figure of the same repetition, then their median."""
+    names = list(dict.fromkeys(f.setting for f in results))
+    by = {(f.setting, f.repetition): f for f in results}
+    reps = sorted({f.repetition for f in results})
+    base = names[0]
+
+    def shown(values: list[float], fmt: str) -> str:
+        mid = format(statistics.median(values), fmt)
+        low, high = format(min(values), fmt), format(max(values), fmt)
+        return mid if low == high else f"{mid} ({low}-{high})"
+
     lines = [
-        "| setting | GPU blocks | tier blocks | prefill computed | vs baseline | loaded | "
+        "| setting | GPU blocks | tier blocks | prefill computed | vs baseline | loaded (shared) | "
         "stored | preemptions | TTFT p50 ms | vs baseline | TTFT p99 ms | output tok/s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for f in results:
+    for name in names:
+        runs = [by[(name, r)] for r in reps if (name, r) in by]
+        ratio = [
+            by[(name, r)].prefill_tokens_computed / max(by[(base, r)].prefill_tokens_computed, 1)
+            for r in reps if (name, r) in by and (base, r) in by
+        ]  # fmt: skip
+        ttft_ratio = [
+            by[(name, r)].ttft_p50_ms / max(by[(base, r)].ttft_p50_ms, 1e-9)
+            for r in reps if (name, r) in by and (base, r) in by
+        ]  # fmt: skip
+        first = runs[0]
         lines.append(
-            f"| {f.setting} | {f.gpu_blocks:,} | {f.tier_blocks:,} | "
-            f"{f.prefill_tokens_computed:,} | "
-            f"{f.prefill_tokens_computed / max(base.prefill_tokens_computed, 1):.2f}x | "
-            f"{f.loaded_blocks:,} | {f.stored_blocks:,} | {f.preemptions} | {f.ttft_p50_ms} | "
-            f"{f.ttft_p50_ms / max(base.ttft_p50_ms, 1e-9):.2f}x | {f.ttft_p99_ms} | "
-            f"{f.output_tokens_per_s} |"
+            f"| {name} | {first.gpu_blocks:,} | {first.tier_blocks:,} | "
+            f"{shown([f.prefill_tokens_computed for f in runs], ',.0f')} | {shown(ratio, '.2f')}x | "
+            f"{shown([f.loaded_blocks for f in runs], ',.0f')} "
+            f"({shown([f.shared_blocks for f in runs], ',.0f')}) | "
+            f"{shown([f.stored_blocks for f in runs], ',.0f')} | "
+            f"{shown([f.preemptions for f in runs], '.0f')} | "
+            f"{shown([f.ttft_p50_ms for f in runs], '.1f')} | {shown(ttft_ratio, '.2f')}x | "
+            f"{shown([f.ttft_p99_ms for f in runs], '.1f')} | "
+            f"{shown([f.output_tokens_per_s for f in runs], '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -202,6 +271,14 @@ def main() -> None:
     )
     parser.add_argument("--policy", choices=("lru", "arc"), default="lru", help="eviction policy")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker")
+    parser.add_argument(
+        "--model", default="tiny", help="tiny (the seeded Llama) or smollm2 (SmolLM2-135M, float32)"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved repetitions")
+    parser.add_argument(
+        "--shared", action="store_true",
+        help="also: a second replica loading the first's blocks from a shared tier (Redis)",
+    )  # fmt: skip
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     configure_logging("benchmark", level="warning")
