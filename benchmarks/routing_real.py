@@ -59,6 +59,9 @@ class RealConfig:
     # The gateway's stale_after_s; a smaller one than the default 2 s makes replicas stale as
     # often as a more loaded machine does (ledger status heartbeats late).
     stale_after_s: float | None = None
+    # More environment for every ledger and worker: the offloaded tiers, for instance
+    # (KVLEDGER_KV_OFFLOADING_SIZE, KVLEDGER_KV_SHARED_TIER).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 class Stack:
@@ -96,6 +99,7 @@ class Stack:
             "KVLEDGER_MAX_MODEL_LEN": str(self.config.max_model_len),
             "KVLEDGER_MAX_NUM_SEQS": str(self.config.max_num_seqs),
             "KVLEDGER_MAX_NUM_BATCHED_TOKENS": str(self.config.max_num_batched_tokens),
+            **self.config.extra_env,
         }  # fmt: skip
         if self.config.num_gpu_blocks is not None:
             self.base["KVLEDGER_NUM_GPU_BLOCKS_OVERRIDE"] = str(self.config.num_gpu_blocks)
@@ -169,17 +173,17 @@ class Stack:
             gateway.stop()
         self.start_gateways()
 
-    def prefix_counters(self) -> tuple[float, float, float]:
-        """(queried tokens, hit tokens, preemptions) summed over every ledger."""
-        totals = [0.0, 0.0, 0.0]
-        names = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                 "vllm:num_preemptions_total")  # fmt: skip
+    def prefix_counters(self) -> tuple[float, ...]:
+        """Summed over every ledger: (queried tokens, GPU hit tokens, preemptions, tokens
+        loaded from the offloaded tiers, blocks promoted from the shared tier); the last two 0
+        without the tiers."""
+        totals = [0.0] * len(COUNTERS)
         for url in self.metrics_urls:
             with urllib.request.urlopen(url, timeout=10) as reply:
                 text = reply.read().decode()
-            for k, name in enumerate(names):
-                totals[k] += _metric(text, name)
-        return totals[0], totals[1], totals[2]
+            for k, (name, required) in enumerate(COUNTERS):
+                totals[k] += _metric(text, name, required)
+        return tuple(totals)
 
     def step_samples(self) -> list[tuple[int, int, float]]:
         """(prefill tokens, decode sequences, worker execute seconds) of every step run."""
@@ -212,10 +216,21 @@ class Stack:
         self.server.__exit__(*exc)
 
 
-def _metric(text: str, name: str) -> float:
+COUNTERS = (
+    ("vllm:prefix_cache_queries_total", True),
+    ("vllm:prefix_cache_hits_total", True),
+    ("vllm:num_preemptions_total", True),
+    ("vllm:external_prefix_cache_hits_total", False),  # the CPU tier's loads, in tokens
+    ("kvledger:shared_tier_promoted_blocks_total", False),
+)
+
+
+def _metric(text: str, name: str, required: bool = True) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
+    if not required:
+        return 0.0
     raise ValueError(f"the ledger's /metrics has no {name}")
 
 
@@ -240,6 +255,8 @@ class RealRun:
     queried: float = 0.0
     hits: float = 0.0
     preemptions: float = 0.0
+    loaded: float = 0.0  # tokens loaded from the offloaded tiers (counted as hits below)
+    shared_blocks: float = 0.0  # blocks promoted from the shared tier (another replica's work)
     restart_after: int | None = None
 
     def row(self) -> dict[str, object]:
@@ -252,8 +269,10 @@ class RealRun:
             "requests": len(self.sent),
             "errors": len(self.sent) - len(done),
             "prompt_tokens": int(self.queried),
-            "prefill_tokens": int(self.queried - self.hits),
-            "hit_rate": round(self.hits / max(self.queried, 1), 4),
+            "prefill_tokens": int(self.queried - self.hits - self.loaded),
+            "hit_rate": round((self.hits + self.loaded) / max(self.queried, 1), 4),
+            "loaded_tokens": int(self.loaded),
+            "shared_blocks": int(self.shared_blocks),
             "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
             "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 3)
             if ttfts
@@ -413,7 +432,9 @@ def run_policy(
             asyncio.run(replay(stack, turns, run, restart_after=restart_after))
         time.sleep(1.5)  # the ledgers' counters follow their last step
         after = stack.prefix_counters()
-        run.queried, run.hits, run.preemptions = (a - b for a, b in zip(after, before, strict=True))
+        run.queried, run.hits, run.preemptions, run.loaded, run.shared_blocks = (
+            a - b for a, b in zip(after, before, strict=True)
+        )
         if config.log_dir is not None:
             path = Path(config.log_dir) / f"{policy}-{repetition}-requests.json"
             path.write_text(json.dumps([dataclasses.asdict(s) for s in run.sent]))

@@ -18,6 +18,15 @@ distinct blocks, the tier holds all of them (or `--tier-blocks`).
 `--repeats N` runs the settings N times, interleaved (each repetition every setting in turn, the
 order rotated), and reports each figure's median with its range.
 
+`--real` runs the fleet target with real processes (benchmarks/routing_real.py: a redis-server,
+a ledger and a worker process per replica, a gateway routing `precise`): one replica whose GPU
+pool holds every distinct block (the bound), then `--replicas` replicas with `--gpu-fraction`
+of them each and no tier, then the same with a CPU tier (`--cpu-fraction` each) and a shared tier
+(a directory) behind it; hit rate = (GPU hits + tokens loaded) / prompt tokens, from every
+ledger's counters, and the blocks one replica promoted from what another wrote:
+
+    .venv/bin/python benchmarks/tiers.py --real --first 0 --count 3993 --json benchmarks/results/tiers-real.json
+
 Issue 25's targets, on the whole trace: prefill tokens computed with the tier within 10% of the
 bound's; TTFT p50 <= 0.8x the baseline's. A window of the tiny model on 2 CPU cores says whether
 the tier saves prefill; its times are the CPU's, not a GPU's (a load is a host copy there too).
@@ -257,6 +266,73 @@ def table(results: list[Figures]) -> str:
     return "\n".join(lines)
 
 
+def main_real(args: argparse.Namespace) -> list[dict]:
+    import dataclasses
+    import tempfile
+
+    from benchmarks.routing_real import RealConfig, run_policy
+
+    turns = trace_turns(TraceReplay(first=args.first, count=args.count, vocab=256))
+    distinct = distinct_blocks(turns)
+    needed = cdiv(MAX_MODEL_LEN, BLOCK_SIZE) + 1
+    gpu = max(int(distinct * args.gpu_fraction), needed)
+    cpu = max(int(distinct * args.cpu_fraction), needed)
+    block_bytes = 32 * 1024  # the tiny Llama's (4 layers, K and V, 16 tokens, one 64-wide head)
+    bound = prefix_bound(turns, BLOCK_SIZE)
+    print(
+        f"requests {args.first}-{args.first + len(turns) - 1}: {distinct:,} distinct blocks, "
+        f"bound {bound:.1%}; {args.replicas} replicas x {gpu:,} GPU blocks, CPU tier {cpu:,}",
+        flush=True,
+    )
+    base = RealConfig(replicas=args.replicas, num_gpu_blocks=gpu, max_model_len=MAX_MODEL_LEN,
+                      max_num_seqs=args.concurrency)  # fmt: skip
+    folder = tempfile.mkdtemp(prefix="kvledger-tiers-")
+    tiers = {
+        "KVLEDGER_KV_OFFLOADING_SIZE": str(cpu * block_bytes / 2**30),
+        "KVLEDGER_KV_SHARED_TIER": f"dir:{folder}",
+        "KVLEDGER_KV_SHARED_TIER_SIZE": str(2 * distinct * block_bytes),
+    }
+    variants = [
+        ("one replica, GPU holds all (bound)", dataclasses.replace(
+            base, replicas=1, num_gpu_blocks=distinct + needed)),
+        (f"{args.replicas} replicas, GPU {args.gpu_fraction:g} each, no tier", base),
+        (f"{args.replicas} replicas, GPU {args.gpu_fraction:g}, CPU + shared tiers",
+         dataclasses.replace(base, extra_env=tiers)),
+    ]  # fmt: skip
+    rows = []
+    for repetition in range(args.repeats):
+        shift = repetition % len(variants)
+        for label, config in variants[shift:] + variants[:shift]:
+            started = time.perf_counter()
+            run, _ = run_policy(config, turns, "precise", repetition,
+                                closed_loop=args.concurrency)  # fmt: skip
+            row = {"variant": label, **run.row()}
+            rows.append(row)
+            print(f"{label}: {row} ({time.perf_counter() - started:.0f} s)", flush=True)
+    lines = [
+        "| variant | runs | hit rate | vs the bound's | prefill tokens | tokens loaded | "
+        "blocks from another replica | TTFT p50 / p99 s | output tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    medians = {}
+    for label, _ in variants:
+        mine = [r for r in rows if r["variant"] == label]
+
+        def mid(key: str, runs: list[dict] = mine) -> float:
+            return statistics.median(float(r[key]) for r in runs)
+
+        medians[label] = mid("hit_rate")
+        lines.append(
+            f"| {label} | {len(mine)} | {mid('hit_rate'):.4f} | "
+            f"{mid('hit_rate') / max(medians[variants[0][0]], 1e-9):.3f} | "
+            f"{mid('prefill_tokens'):,.0f} | {mid('loaded_tokens'):,.0f} | "
+            f"{mid('shared_blocks'):,.0f} | {mid('ttft_p50_s'):.3f} / {mid('ttft_p99_s'):.3f} | "
+            f"{mid('throughput_tok_s'):.1f} |"
+        )
+    print("\n".join(lines))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--first", type=int, default=3000, help="first request of the window")
@@ -280,8 +356,19 @@ def main() -> None:
         help="also: a second replica loading the first's blocks from a shared tier (Redis)",
     )  # fmt: skip
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--real", action="store_true", help="the fleet target, real processes")
+    parser.add_argument("--replicas", type=int, default=4, help="with --real: replicas")
+    parser.add_argument(
+        "--cpu-fraction", type=float, default=0.25,
+        help="with --real: each replica's CPU tier holds this share of the distinct blocks",
+    )  # fmt: skip
     args = parser.parse_args()
     configure_logging("benchmark", level="warning")
+    if args.real:
+        rows = main_real(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        return
     results = asyncio.run(main_async(args))
     print(table(results))
     if args.json:
