@@ -12,6 +12,7 @@ import msgpack
 
 from ledger.hashing import to_event_hash
 from ledger.offloading.base import offload_key_block_hash
+from services.events.subscriber import KVEventSubscriber
 from tests.engine.test_ledger_service import prompts
 from tests.harness.stack import Stack, dense_greedy
 
@@ -108,6 +109,18 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
         held = {to_event_hash(offload_key_block_hash(k)) for k in connector.manager.ready_keys()}
         stored = {e["block_hashes"][0] for e in cpu if e["type"] == "BlockStored"}
         assert held <= stored and held
+        # The stream's mirror, its snapshot and a router's index of the tier are its books.
+        assert set(ledger.events.tier_counts["CPU"]) == held
+        follower = KVEventSubscriber(on.r, on.streams.prefix, replica=on.streams.replica)
+        await follower.start("start")
+        while await follower.poll(block_ms=None):
+            pass
+        await ledger.events.write_snapshot(ledger.manager.block_pool, ledger.epoch)
+        late = KVEventSubscriber(on.r, on.streams.prefix, replica=on.streams.replica)
+        await late.start("snapshot")
+        for index in (follower.index, late.index):
+            assert set(index.tier("CPU")) == held
+            assert index.counts == ledger.events.counts
     finally:
         await on.stop()
 
@@ -145,6 +158,11 @@ async def test_a_restarted_worker_takes_the_tier_with_it_and_the_ledger_forgets_
             for h in e["block_hashes"]
         }
         assert held <= removed
+        # The mirror holds what the tier stored since, as its books do.
+        now_held = {
+            to_event_hash(offload_key_block_hash(k)) for k in connector.manager.ready_keys()
+        }
+        assert set(stack.ledger.events.tier_counts.get("CPU", {})) == now_held
         assert stack.ledger.manager.num_free_blocks == 23
         assert not connector.jobs and not stack.ledger.scheduler.holding
     finally:
