@@ -38,7 +38,13 @@ from engine.translate import (
     request_output,
     validate_request,
 )
-from engine.workers import PoolPlan, group_view, membership_changes, plan_cpu_tier
+from engine.workers import (
+    PoolPlan,
+    group_view,
+    membership_changes,
+    plan_cpu_tier,
+    tier_load_costs,
+)
 from engine.zmq_events import ZmqEventPublisher
 from ledger.events import AllBlocksCleared
 from ledger.hashing import BlockHasher
@@ -55,6 +61,7 @@ from services.transport import redis_streams, registry
 from services.transport.keys import STEPS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
 from services.wire.messages import (
+    TIER_SHARED,
     AbortRequest,
     EvictionHead,
     GenerateRequest,
@@ -134,6 +141,11 @@ class Engine:
             self.manager,
             connector,
         )
+        # Tiers beyond the workers' CPU one: the shared tier's namespace (None: none) and what
+        # its loads cost, measured from its backend (tier -> seconds per block), for the status.
+        self.shared_tier: str | None = None
+        self.shared_tier_blocks = 0
+        self.measured_load_s: dict[str, float] = {}
         self.hasher = BlockHasher(config.hash_algo) if config.enable_prefix_caching else None
         self.metrics = LedgerMetrics(new_registry(), self.model_name)
         # What this replica's steps cost, measured from their timings, for routers (the status).
@@ -676,6 +688,9 @@ class Engine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             costs=self.routing_costs(),
             max_num_seqs=cfg.max_num_seqs,
+            num_cpu_blocks=self.num_cpu_chunks,
+            shared_tier=self.shared_tier,
+            shared_tier_blocks=self.shared_tier_blocks,
         )
 
     def routing_costs(self) -> RoutingCosts:
@@ -689,7 +704,16 @@ class Engine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(_expected_hits),
             max_num_batched_tokens=self.cfg.max_num_batched_tokens,
             steps=measured.steps,
+            load_s_per_block=self.load_costs() or None,
         )
+
+    def load_costs(self) -> dict[str, float]:
+        """Seconds to load one block from each tier this replica has: the CPU tier's as its
+        workers measured it at start-up, the others' as measured here (`measured_load_s`)."""
+        costs = tier_load_costs(self.workers.values()) if self.num_cpu_chunks else {}
+        costs.pop(TIER_SHARED, None)  # never the workers' to say
+        costs.update(self.measured_load_s)
+        return costs
 
     def eviction_head(self) -> EvictionHead:
         """The cached blocks the next allocations evict, for routers: O(requests + horizon)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Tracer
@@ -45,7 +45,7 @@ from services.routing.shared import SharedPending
 from services.tokenization.tokenizer import Tokenizer
 from services.transport.keys import StreamNames
 from services.wire import codec
-from services.wire.messages import LedgerStatus
+from services.wire.messages import TIER_CPU, TIER_SHARED, LedgerStatus
 
 log = get_logger("gateway.router")
 
@@ -147,8 +147,9 @@ class GatewayRouting:
     def num_pending(self) -> int:
         return 0
 
-    def describe(self) -> dict[str, dict[str, str | None]]:
-        """Each replica's health and why it is out, for /health (empty: one replica)."""
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """Each replica's health, why it is out and what its tiers cost, for /health (empty:
+        one replica)."""
         return {}
 
     def any_routable(self) -> bool:
@@ -341,7 +342,7 @@ class Replicas(GatewayRouting):
     def num_pending(self) -> int:
         return len(self.router.pending) - self.shared.num_remote()
 
-    def describe(self) -> dict[str, dict[str, str | None]]:
+    def describe(self) -> dict[str, dict[str, Any]]:
         return {
             name: {
                 "health": self.health(name).value,
@@ -349,6 +350,7 @@ class Replicas(GatewayRouting):
                 if self.upstreams is not None and name in self.upstreams
                 else None,
                 "out_reason": self.out_reason(name),
+                **tier_costs_of(self.replica_set.replicas[name].status),
             }
             for name in self.names
         }
@@ -443,6 +445,25 @@ def routing_for(
         config, replicas, redis, gateway_id, registry, on_dead_letter, on_outage, tracer,
         costs, limits, upstreams,
     )  # fmt: skip
+
+
+def tier_costs_of(status: LedgerStatus | None) -> dict[str, Any]:
+    """What a replica's tiers cost, for /health: its measured prefill seconds per token beside
+    each tier's seconds to load a block (None where not measured), and the tiers' sizes."""
+    if status is None:
+        return {}
+    costs = status.costs
+    per_token = (
+        1.0 / costs.prefill_tokens_per_s if costs is not None and costs.prefill_tokens_per_s > 0
+        else None
+    )  # fmt: skip
+    loads = (costs.load_s_per_block if costs is not None else None) or {}
+    return {
+        "prefill_s_per_token": per_token,
+        "load_s_per_block": {tier: loads.get(tier) for tier in (TIER_CPU, TIER_SHARED)},
+        "num_cpu_blocks": status.num_cpu_blocks,
+        "shared_tier": status.shared_tier,
+    }
 
 
 def check_hash_settings(config: GatewayConfig) -> None:

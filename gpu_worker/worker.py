@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 import torch
 
 from gpu_worker.devices import resolve_device
+from gpu_worker.offload import measure_load_cost
 from gpu_worker.parallel import TensorParallel, TensorParallelError
 from gpu_worker.profile import ProfileSettings
 from gpu_worker.request_spans import RequestSpans
@@ -36,7 +37,13 @@ from services.startup import StartupError, freeze_after_startup
 from services.transport import redis_streams, registry
 from services.transport.keys import RESULTS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
-from services.wire.messages import StepMessage, StepResult, WorkerHello, WorkerShutdown
+from services.wire.messages import (
+    TIER_CPU,
+    StepMessage,
+    StepResult,
+    WorkerHello,
+    WorkerShutdown,
+)
 
 log = get_logger("kvledger.worker")
 T = TypeVar("T")
@@ -73,6 +80,10 @@ class WorkerService:
         profile = runner.profile
         # Exactly what the allocated cache tensors cost per block, K and V over every layer.
         bytes_per_block = sum(k[0].nbytes + v[0].nbytes for k, v in runner.kv_caches)
+        # What a load from the CPU tier costs here, for routers to weigh against a prefill.
+        self.tier_costs = (
+            measure_load_cost(runner.kv_caches) if config.offloading is not None else None
+        )
         self.hello = WorkerHello(
             worker_id=self.worker_id,
             group=config.group,
@@ -91,6 +102,7 @@ class WorkerService:
             detail=profile.describe() if profile else "",
             tp_rank=runner.model.tp.rank,
             tp_size=runner.model.tp.size,
+            load_s_per_block={TIER_CPU: self.tier_costs[0]} if self.tier_costs else None,
         )
         self.steps_done = 0
         self.last_run: tuple[str, int] = ("", -1)  # (epoch, step_id) of the last step run
@@ -120,6 +132,7 @@ class WorkerService:
             device=self.hello.device,
             model=self.hello.model_name,
             profile=self.hello.detail,
+            **self._tier_cost_fields(),
         )
         heartbeat = registry.Heartbeat(
             self.redis_url, self.cfg.streams, self.hello, self.cfg.ttl_s, self.cfg.heartbeat_s
@@ -134,6 +147,24 @@ class WorkerService:
             await asyncio.to_thread(heartbeat.stop)
             with contextlib.suppress(aioredis.RedisError):
                 await registry.unregister(self.r, self.cfg.streams, self.hello)
+
+    def _tier_cost_fields(self) -> dict[str, float]:
+        if self.tier_costs is None:
+            return {}
+        load, store = self.tier_costs
+        return {
+            "cpu_tier_load_s_per_block": round(load, 7),
+            "cpu_tier_store_s_per_block": round(store, 7),
+        }
+
+    def _tier_cost_fields(self) -> dict[str, float]:
+        if self.tier_costs is None:
+            return {}
+        load, store = self.tier_costs
+        return {
+            "cpu_tier_load_s_per_block": round(load, 7),
+            "cpu_tier_store_s_per_block": round(store, 7),
+        }
 
     async def _join(self) -> None:
         with contextlib.suppress(aioredis.ResponseError):

@@ -13,6 +13,8 @@ import msgpack
 from ledger.hashing import to_event_hash
 from ledger.offloading.base import offload_key_block_hash
 from services.events.subscriber import KVEventSubscriber
+from services.wire.messages import TIER_CPU, TIER_SHARED
+from tests.harness.gateway_stack import gateway_on
 from tests.engine.test_ledger_service import prompts
 from tests.harness.stack import Stack, dense_greedy
 
@@ -56,6 +58,11 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
     try:
         tokens_off = await serve(off)
         computed_off = off.ledger.scheduler.num_prompt_tokens_computed
+        # No tier: nothing measured, none published.
+        assert off.worker_services["w0"].hello.load_s_per_block is None
+        status = off.ledger.status()
+        assert status.num_cpu_blocks == 0 and status.costs is not None
+        assert status.costs.load_s_per_block is None
     finally:
         await off.stop()
     on = await Stack(redis_url, tiny_model, kv_offloading_size=TIER_GIB, **SETTINGS).start()
@@ -123,6 +130,32 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
             assert index.counts == ledger.events.counts
     finally:
         await on.stop()
+
+
+async def test_the_workers_load_cost_reaches_the_status_and_the_gateways_health(
+    redis_url, tiny_model
+):
+    stack = await Stack(redis_url, tiny_model, kv_offloading_size=TIER_GIB, **SETTINGS).start()
+    try:
+        hello = stack.worker_services["w0"].hello
+        assert hello.load_s_per_block is not None
+        measured = hello.load_s_per_block[TIER_CPU]
+        assert 0 < measured < 0.05  # a 32 KiB copy on the CPU: microseconds, not a step
+        # The shared tier's slot: its namespace and load cost, set where it is measured.
+        stack.ledger.shared_tier, stack.ledger.measured_load_s[TIER_SHARED] = "fleet", 0.002
+        async with gateway_on(stack) as client:
+            for _ in range(100):  # the ledger rewrites its status every second
+                body = await (await client.get("/health")).json()
+                tiers = body.get("ledger", {}).get("tiers", {})
+                if tiers.get("shared_tier") == "fleet":
+                    break
+                await asyncio.sleep(0.05)
+        assert tiers["load_s_per_block"] == {TIER_CPU: measured, TIER_SHARED: 0.002}
+        assert tiers["num_cpu_blocks"] == 32
+        assert body["ledger"]["costs"]["load_s_per_block"] == tiers["load_s_per_block"]
+        assert "prefill_s_per_token" in tiers  # None until a prefill step is measured
+    finally:
+        await stack.stop()
 
 
 async def test_a_restarted_worker_takes_the_tier_with_it_and_the_ledger_forgets_it(

@@ -110,3 +110,31 @@ async def test_a_replica_that_never_speaks_is_out_after_the_limit_and_holds_no_o
     assert [r.status for r in replies] == [200, 200, 200]
     assert len(r0.requests) == 3  # the ghost is out: nothing routed to it
     assert (await client.get("/health")).status == 200
+
+
+async def test_health_shows_each_replicas_tier_load_costs_beside_its_prefill_cost(
+    start_gateway, start_ledger
+):
+    from services.wire.messages import TIER_CPU, TIER_SHARED, RoutingCosts
+
+    await start_ledger(
+        replica="r0", num_cpu_blocks=512, shared_tier="fleet",
+        costs=RoutingCosts(prefill_tokens_per_s=4000.0,
+                           load_s_per_block={TIER_CPU: 5e-5, TIER_SHARED: 1e-3}),
+    )  # fmt: skip
+    await start_ledger(replica="r1", costs=RoutingCosts(prefill_tokens_per_s=2000.0))
+    client = await start_gateway(replicas="r0,r1")
+    import asyncio
+
+    for _ in range(100):
+        health = await client.get("/health")
+        if health.status == 200:
+            break
+        await asyncio.sleep(0.05)
+    body = await health.json()
+    r0, r1 = body["replicas"]["r0"], body["replicas"]["r1"]
+    assert r0["prefill_s_per_token"] == 1 / 4000
+    assert r0["load_s_per_block"] == {TIER_CPU: 5e-5, TIER_SHARED: 1e-3}
+    assert (r0["num_cpu_blocks"], r0["shared_tier"]) == (512, "fleet")
+    assert r1["prefill_s_per_token"] == 1 / 2000
+    assert r1["load_s_per_block"] == {TIER_CPU: None, TIER_SHARED: None}  # no tier measured
