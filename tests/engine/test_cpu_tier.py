@@ -14,8 +14,8 @@ from ledger.hashing import to_event_hash
 from ledger.offloading.base import offload_key_block_hash
 from services.events.subscriber import KVEventSubscriber
 from services.wire.messages import TIER_CPU, TIER_SHARED
-from tests.harness.gateway_stack import gateway_on
 from tests.engine.test_ledger_service import prompts
+from tests.harness.gateway_stack import gateway_on
 from tests.harness.stack import Stack, dense_greedy
 
 # The tiny Llama's block is 32 KiB (4 layers, K and V, 16 tokens of one 64-wide head, float32):
