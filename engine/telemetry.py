@@ -243,8 +243,11 @@ class LedgerTelemetry:
             if self.metrics is not None:
                 self.metrics.record_queue_time(queued_s)
                 if expected is not None:  # the router expected this prefix here: did it find it?
+                    # Its GPU hit and what the CPU tier loaded: routers count both, as vLLM
+                    # counts a loaded block as cached.
                     self.metrics.record_routed_hits(
-                        expected_tokens=expected, found_tokens=admission.num_hit_tokens
+                        expected_tokens=expected,
+                        found_tokens=admission.num_hit_tokens + admission.num_loaded_tokens,
                     )
         if self.tracer is None:
             return

@@ -38,6 +38,7 @@ from services.routing.policy import (
     RouteDecision,
     Router,
     RouteRequest,
+    SharedTier,
     routable_block_hashes,
 )
 from services.routing.replicas import ReplicaSet, parse_replicas
@@ -220,11 +221,16 @@ class Replicas(GatewayRouting):
         # (theirs cannot be read from a server); a replica whose status says otherwise is out.
         self.hashing = (config.hash_algo, config.block_size) if upstreams is not None else None
         self._out_logged: dict[str, str] = {}
+        # The shared tiers this gateway can see into, by namespace (a catalog follower each):
+        # a replica whose status names one is scored on what it holds too.
+        self.shared_tiers: dict[str, SharedTier] = {}
         self.router = Router(
             config.routing,
             list(replicas),
             costs=costs,
             prefix_source=self.replica_set.cached_blocks,
+            tier_source=self.replica_set.cpu_blocks,
+            shared_tiers=self.shared_tiers,
         )
         # What every gateway sent where and is pending there, through the replicas' routing
         # streams: several gateways route as one.
@@ -312,17 +318,21 @@ class Replicas(GatewayRouting):
                 span.set_attributes(_span_attributes(decision))
         chosen = decision.score_of(decision.replica)
         self._routed.labels(decision.replica, self.policy).inc()
-        self._routed_hit.labels(decision.replica, self.policy).inc(chosen.cached_tokens)
+        self._routed_hit.labels(decision.replica, self.policy).inc(chosen.hit_tokens)
         log.debug(
             "routed", replica=decision.replica, policy=self.policy,
-            cached_tokens=chosen.cached_tokens, cost=round(chosen.cost, 4), unit=decision.unit,
+            cached_tokens=chosen.cached_tokens, cpu_tokens=chosen.cpu_tokens,
+            shared_tokens=chosen.shared_tokens, cost=round(chosen.cost, 4), unit=decision.unit,
             healths={score.replica: score.health.value for score in decision.scores},
-            scores={s.replica: [s.cached_tokens, round(s.load_cost, 4), round(s.cost, 4),
-                                s.evicted_blocks] for s in decision.scores},
+            # replica -> [GPU, CPU, shared tokens, load cost, cost, evicted blocks]
+            scores={s.replica: [s.cached_tokens, s.cpu_tokens, s.shared_tokens,
+                                round(s.load_cost, 4), round(s.cost, 4), s.evicted_blocks]
+                    for s in decision.scores},
             lags=replicas.lags(), prompt_tokens=request.num_tokens,
         )  # fmt: skip
         self.shared.routed(req_id)
-        return Route(decision.replica, chosen.cached_tokens)
+        # What it expects the ledger to report as cached: loaded blocks count, as vLLM's do.
+        return Route(decision.replica, chosen.hit_tokens)
 
     def pin(self, job: Job, req_id: str, replica: str) -> Route:
         hashes, block_size = self._block_hashes(job)
@@ -493,4 +503,9 @@ def _span_attributes(decision: RouteDecision) -> dict:
         Attr.ROUTE_COSTS: [float(s.cost) for s in decision.scores],
         Attr.ROUTE_COST_UNIT: decision.unit,
         Attr.ROUTE_EVICTED_BLOCKS: [s.evicted_blocks for s in decision.scores],
+        Attr.ROUTE_CPU_TOKENS: chosen.cpu_tokens,
+        Attr.ROUTE_SHARED_TOKENS: chosen.shared_tokens,
+        Attr.ROUTE_REPLICA_CPU_TOKENS: [s.cpu_tokens for s in decision.scores],
+        Attr.ROUTE_REPLICA_SHARED_TOKENS: [s.shared_tokens for s in decision.scores],
+        Attr.ROUTE_TIER_COSTS: [float(s.tier_cost) for s in decision.scores],
     }

@@ -157,15 +157,6 @@ class WorkerService:
             "cpu_tier_store_s_per_block": round(store, 7),
         }
 
-    def _tier_cost_fields(self) -> dict[str, float]:
-        if self.tier_costs is None:
-            return {}
-        load, store = self.tier_costs
-        return {
-            "cpu_tier_load_s_per_block": round(load, 7),
-            "cpu_tier_store_s_per_block": round(store, 7),
-        }
-
     async def _join(self) -> None:
         with contextlib.suppress(aioredis.ResponseError):
             await self.r.xgroup_destroy(self.steps_stream, self.reader.group)
