@@ -46,7 +46,7 @@ from engine.workers import (
     tier_load_costs,
 )
 from engine.zmq_events import ZmqEventPublisher
-from ledger.events import AllBlocksCleared
+from ledger.events import MEDIUM_CPU, AllBlocksCleared
 from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.offloading.connector import OffloadingConnectorScheduler
@@ -154,6 +154,8 @@ class Engine:
         self._eviction_written = -1e9  # monotonic: the eviction head's last write
         self._eviction_step = -1  # the scheduler step it was written after
         self.telemetry = LedgerTelemetry(tracer, self.metrics, self.scheduler, self.step_costs)
+        self.telemetry.tier_bytes_per_block = plan.bytes_per_block * plan.world_size
+        self._tier_removed_seen = 0  # CPU-tier blocks published as removed, counted
         self.depth = 2 if config.async_scheduling else 1  # steps in flight at once
         self.in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = (
             collections.deque()
@@ -380,6 +382,9 @@ class Engine:
         )
         now = time.monotonic()
         self.metrics.record_step(now - started)
+        if result.transfer_seconds:  # the CPU tier's copies, as the workers timed them
+            load_s, store_s = result.transfer_seconds[:2]
+            self.metrics.record_tier_transfer_time(load_s=load_s, store_s=store_s)
         if out.is_empty:
             return  # the CPU tier's copies alone: no step cost to learn from
         # The time this step held the pipeline: from its dispatch, or from the previous step's
@@ -439,7 +444,9 @@ class Engine:
         )
         self.telemetry.on_schedule(out, self.manager)
         # The workers' CPU tier goes with their KV data: forgotten, and published as such.
-        await self._publish_events(self.scheduler.take_events() + self.scheduler.forget_tier())
+        await self._publish_events(
+            self.scheduler.take_events() + self.scheduler.forget_tier(), forgotten=True
+        )
         self.manager.reset_prefix_cache()
         before = {(w, hello.started_at) for w, hello in self.workers.items()}
         self.workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
@@ -576,11 +583,18 @@ class Engine:
 
     # ------------------------------------------------------------------ KV events
 
-    async def _publish_events(self, events: list) -> None:
+    async def _publish_events(self, events: list, *, forgotten: bool = False) -> None:
+        """Publish the events; the CPU tier's removals are its evictions, unless the tier is
+        being `forgotten` (its workers lost it)."""
         await self.leadership.ensure()  # KV events and snapshots belong to the leader's block pool
         published = await self.events.publish(events, self.manager.block_pool, self.epoch)
         if published:
             self.metrics.record_kv_events(published)
+            removed = self.events.tier_removed.get(MEDIUM_CPU, 0)
+            if removed != self._tier_removed_seen:
+                if not forgotten:
+                    self.metrics.record_cpu_tier_evictions(removed - self._tier_removed_seen)
+                self._tier_removed_seen = removed
 
     async def _write_snapshot(self) -> None:
         await self.events.write_snapshot(self.manager.block_pool, self.epoch)

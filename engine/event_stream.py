@@ -53,14 +53,14 @@ from services.events.runs import (
     Run,
     TierRuns,
     apply_runs,
-    batch_runs,
-    batch_tier_runs,
+    batch_runs_and_tiers,
     clears_tiers,
     encode_runs,
     encode_tier_runs,
 )
 from services.events.snapshot import (
     CLEARED,
+    REMOVED,
     STORED,
     KVSnapshot,
     TierCounts,
@@ -180,6 +180,7 @@ class KVEventStream:
         self._gpu = _Mirror()
         self._tiers: dict[str, _Mirror] = {}
         self._frozen: list[_Mirror] = []  # the mirrors a snapshot in flight reads
+        self.tier_removed: dict[str, int] = {}  # medium -> blocks published as removed
         self._synced = False
         self._snapshot_task: asyncio.Task | None = None
         self._last_snapshot_start = float("-inf")
@@ -224,9 +225,8 @@ class KVEventStream:
             return 0
         batch = encode_batch(KVEventBatch(time.time(), events))
         synced = self._synced
-        await self.append(
-            batch, batch_runs(events), epoch, apply=synced, tier_runs=batch_tier_runs(events)
-        )
+        runs, tier_runs = batch_runs_and_tiers(events)
+        await self.append(batch, runs, epoch, apply=synced, tier_runs=tier_runs)
         if not synced:  # the pool already holds these events' effects
             self.sync_from_pool(pool)
         self.published += len(events)
@@ -322,6 +322,9 @@ class KVEventStream:
             if found is None:
                 found = self._tiers[medium] = _Mirror()
             found.apply(tier)
+            self.tier_removed[medium] = self.tier_removed.get(medium, 0) + sum(
+                len(hashes) for kind, hashes in tier if kind == REMOVED
+            )
 
     def _maybe_snapshot(self, epoch: str) -> None:
         # The interval runs from the start of the last snapshot, so a slow write does not

@@ -137,6 +137,9 @@ class LedgerTelemetry:
         self._stats_seen = PrefixCacheStats()
         self._tier_seen = PrefixCacheStats()
         self._tier_blocks_seen = (0, 0)
+        self._stores_skipped_seen = 0
+        # A CPU-tier chunk's bytes: one block of every worker (the engine sets it once sized).
+        self.tier_bytes_per_block = 0
         self._prompt_computed_seen = 0
         self._evicted_blocks = 0
 
@@ -556,6 +559,17 @@ class LedgerTelemetry:
         if (loaded, stored) != self._tier_blocks_seen:
             seen_loaded, seen_stored = self._tier_blocks_seen
             self.metrics.record_cpu_tier(
-                loaded_blocks=loaded - seen_loaded, stored_blocks=stored - seen_stored
+                loaded_blocks=loaded - seen_loaded,
+                stored_blocks=stored - seen_stored,
+                bytes_per_block=self.tier_bytes_per_block,
             )
             self._tier_blocks_seen = (loaded, stored)
+        connector = scheduler.connector
+        assert connector is not None
+        tier = connector.manager
+        self.metrics.set_cpu_tier_state(
+            held_blocks=tier.num_allocated - len(tier.free_list), usage=tier.usage()
+        )
+        if tier.stores_skipped != self._stores_skipped_seen:
+            self.metrics.record_stores_skipped(tier.stores_skipped - self._stores_skipped_seen)
+            self._stores_skipped_seen = tier.stores_skipped

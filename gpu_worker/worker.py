@@ -320,6 +320,7 @@ class WorkerService:
             leader_token=step.leader_token,
             failed_requests=failed,
             transfers_done=output.transfers_done,
+            transfer_seconds=output.transfer_seconds,
         )
 
 

@@ -90,52 +90,52 @@ def apply_runs(counts: dict[int, int], runs: Iterable[Run], ops: OpLog | None = 
 
 def batch_runs(events: list[AnyKVCacheEvent]) -> list[Run]:
     """The runs of one batch (only int hashes: the ledger's are always ints)."""
-    runs: list[Run] = []
-    kind = -1
-    hashes: list[int] = []
-    for event in events:
-        if not isinstance(event, AllBlocksCleared) and not indexed(event.medium):
-            continue
-        if type(event) is BlockStored:
-            if kind != STORED:
-                kind, hashes = STORED, []
-                runs.append((STORED, hashes))
-            hashes += event.block_hashes
-        elif type(event) is BlockRemoved:
-            if kind != REMOVED:
-                kind, hashes = REMOVED, []
-                runs.append((REMOVED, hashes))
-            hashes += event.block_hashes
-        elif type(event) is AllBlocksCleared:
-            kind = CLEARED
-            runs.append((CLEARED, []))
-    return runs
+    return batch_runs_and_tiers(events)[0]
 
 
 def batch_tier_runs(events: list[AnyKVCacheEvent]) -> TierRuns:
     """The runs of one batch's events of other media than the GPU's, per medium, each with the
     batch's clears that follow that medium's first event ({} when it has none)."""
+    return batch_runs_and_tiers(events)[1]
+
+
+def batch_runs_and_tiers(events: list[AnyKVCacheEvent]) -> tuple[list[Run], TierRuns]:
+    """`batch_runs` and `batch_tier_runs` of one batch, in one pass (the ledger's, per step)."""
+    runs: list[Run] = []
+    kind = -1
+    hashes: list[int] = []
     tiers: TierRuns = {}
     last: dict[str, tuple[int, list[int]]] = {}  # medium -> (kind, the run it is filling)
     for event in events:
-        if type(event) is AllBlocksCleared:
-            for name, runs in tiers.items():
-                runs.append((CLEARED, []))
+        cls = type(event)
+        if cls is AllBlocksCleared:
+            kind = CLEARED
+            runs.append((CLEARED, []))
+            for name, tier_runs in tiers.items():
+                tier_runs.append((CLEARED, []))
                 last[name] = (CLEARED, [])
             continue
-        medium: str | None = event.medium  # type: ignore[union-attr]
-        if medium is None or indexed(medium):
+        medium = event.medium  # type: ignore[union-attr]
+        if medium is not None and medium != MEDIUM_GPU:  # not indexed(): one call fewer
+            tier_kind = STORED if cls is BlockStored else REMOVED
+            current = last.get(medium)
+            if current is None or current[0] != tier_kind:
+                current = (tier_kind, [])
+                tiers.setdefault(medium, []).append(current)
+                last[medium] = current
+            current[1].extend(event.block_hashes)  # type: ignore[union-attr]
             continue
-        kind = STORED if type(event) is BlockStored else REMOVED
-        current = last.get(medium)
-        if current is None or current[0] != kind:
-            hashes: list[int] = []
-            tiers.setdefault(medium, []).append((kind, hashes))
-            last[medium] = (kind, hashes)
-        else:
-            hashes = current[1]
-        hashes += event.block_hashes  # type: ignore[union-attr]
-    return tiers
+        if cls is BlockStored:
+            if kind != STORED:
+                kind, hashes = STORED, []
+                runs.append((STORED, hashes))
+            hashes += event.block_hashes  # type: ignore[union-attr]
+        elif cls is BlockRemoved:
+            if kind != REMOVED:
+                kind, hashes = REMOVED, []
+                runs.append((REMOVED, hashes))
+            hashes += event.block_hashes  # type: ignore[union-attr]
+    return runs, tiers
 
 
 def clears_tiers(runs: list[Run]) -> bool:

@@ -225,6 +225,9 @@ class StepResult(Message, tag="result"):
     # the ledger fails them and re-runs the others.
     failed_requests: dict[str, str] | None = None
     transfers_done: list[int] | None = None  # the step's CPU-tier copies this worker finished
+    # Seconds this worker's copies took: [before the forward pass (the loads, and the rare
+    # flushed stores), after it (the stores)]; None: no copies (or an earlier release).
+    transfer_seconds: list[float] | None = None
 
 
 class RequestOutput(Record, omit_defaults=True):

@@ -101,6 +101,17 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
         assert metric("kvledger:cpu_tier_loaded_blocks_total") == host.blocks_loaded
         assert metric("kvledger:cpu_tier_stored_blocks_total") == host.blocks_stored
         assert metric("vllm:external_prefix_cache_hits_total") > 0
+        # vLLM's transfer metrics: bytes from the blocks moved (32 KiB each), time as timed.
+        block_bytes = on.worker_services["w0"].hello.bytes_per_block
+        assert metric("vllm:kv_offload_load_bytes_total") == host.blocks_loaded * block_bytes
+        assert metric("vllm:kv_offload_store_bytes_total") == host.blocks_stored * block_bytes
+        assert 0 < metric("vllm:kv_offload_load_time_total") < 5  # type: ignore[operator]
+        assert 0 < metric("vllm:kv_offload_store_time_total") < 5  # type: ignore[operator]
+        held_now = len(scheduler.connector.manager.ready_keys())  # type: ignore[union-attr]
+        assert metric("kvledger:cpu_tier_blocks") == held_now
+        # Every store past the tier's 32 chunks evicted one, and published it.
+        assert metric("kvledger:cpu_tier_evicted_blocks_total") == host.blocks_stored - held_now
+        assert metric("vllm:kv_offload_cpu_cache_usage_perc") == 0.0  # nothing in flight
         assert (
             metric("kvledger:prompt_tokens_computed_total")
             == ledger.scheduler.num_prompt_tokens_computed
