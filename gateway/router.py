@@ -113,7 +113,8 @@ class GatewayRouting:
         )
         self._routed_hit = Counter(
             "kvledger:routed_prefix_hit_tokens",
-            "Prompt tokens the chosen replica was expected to hold at routing time.",
+            "Prompt tokens the chosen replica was expected not to compute at routing time (on "
+            "its GPU, or loaded from its CPU tier or the shared tier).",
             ("replica", "policy"),
             registry=registry,
         )
