@@ -81,9 +81,12 @@ class WorkerService:
         # Exactly what the allocated cache tensors cost per block, K and V over every layer.
         bytes_per_block = sum(k[0].nbytes + v[0].nbytes for k, v in runner.kv_caches)
         # What a load from the CPU tier costs here, for routers to weigh against a prefill.
-        self.tier_costs = (
-            measure_load_cost(runner.kv_caches) if config.offloading is not None else None
-        )
+        self.tier_costs: tuple[float, float] | None = None
+        if config.offloading is not None:
+            try:
+                self.tier_costs = measure_load_cost(runner.kv_caches)
+            except (RuntimeError, MemoryError) as exc:  # routers then borrow another's figure
+                log.warning("cpu_tier_load_cost_unmeasured", error=str(exc))
         self.hello = WorkerHello(
             worker_id=self.worker_id,
             group=config.group,
