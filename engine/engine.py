@@ -40,9 +40,15 @@ from engine.translate import (
     request_output,
     validate_request,
 )
-from engine.workers import PoolPlan, group_view, membership_changes, plan_cpu_tier
+from engine.workers import (
+    PoolPlan,
+    group_view,
+    membership_changes,
+    plan_cpu_tier,
+    tier_load_costs,
+)
 from engine.zmq_events import ZmqEventPublisher
-from ledger.events import AllBlocksCleared
+from ledger.events import MEDIUM_CPU, AllBlocksCleared
 from ledger.hashing import BlockHasher
 from ledger.kv_cache_manager import KVCacheManager
 from ledger.offloading.connector import OffloadingConnectorScheduler
@@ -59,6 +65,7 @@ from services.transport import redis_streams, registry
 from services.transport.keys import STEPS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
 from services.wire.messages import (
+    TIER_SHARED,
     AbortRequest,
     EvictionHead,
     GenerateRequest,
@@ -147,16 +154,18 @@ class Engine:
             self.manager,
             connector,
         )
+        # What loads from the tiers beyond the workers' CPU one cost, measured from their
+        # backends (tier -> seconds per block), for the status: the shared tier's, at start-up.
+        self.measured_load_s: dict[str, float] = {}
         self.metrics = LedgerMetrics(new_registry(), self.model_name)
         # What this replica's steps cost, measured from their timings, for routers (the status).
         self.step_costs = StepCostEstimator()
         self._last_step_done = 0.0  # monotonic: when the last step's results were applied
         self._eviction_written = -1e9  # monotonic: the eviction head's last write
         self._eviction_step = -1  # the scheduler step it was written after
-        self.telemetry = LedgerTelemetry(
-            tracer, self.metrics, self.scheduler, self.step_costs,
-            bytes_per_block=sum(hello.bytes_per_block for hello in workers.values()),
-        )  # fmt: skip
+        self.telemetry = LedgerTelemetry(tracer, self.metrics, self.scheduler, self.step_costs)
+        self.telemetry.tier_bytes_per_block = plan.bytes_per_block * plan.world_size
+        self._tier_removed_seen = 0  # CPU-tier blocks published as removed, counted
         self.depth = 2 if config.async_scheduling else 1  # steps in flight at once
         self.in_flight: collections.deque[tuple[SchedulerOutput[Tracked], float]] = (
             collections.deque()
@@ -401,6 +410,9 @@ class Engine:
         )
         now = time.monotonic()
         self.metrics.record_step(now - started)
+        if result.transfer_seconds:  # the CPU tier's copies, as the workers timed them
+            load_s, store_s = result.transfer_seconds[:2]
+            self.metrics.record_tier_transfer_time(load_s=load_s, store_s=store_s)
         if out.is_empty:
             return  # the CPU tier's copies alone: no step cost to learn from
         # The time this step held the pipeline: from its dispatch, or from the previous step's
@@ -460,7 +472,9 @@ class Engine:
         )
         self.telemetry.on_schedule(out, self.manager)
         # The workers' CPU tier goes with their KV data: forgotten, and published as such.
-        await self._publish_events(self.scheduler.take_events() + self.scheduler.forget_tier())
+        await self._publish_events(
+            self.scheduler.take_events() + self.scheduler.forget_tier(), forgotten=True
+        )
         self.manager.reset_prefix_cache()
         before = {(w, hello.started_at) for w, hello in self.workers.items()}
         self.workers = await registry.live_workers(self.r, self.cfg.streams, self.cfg.group)
@@ -597,11 +611,18 @@ class Engine:
 
     # ------------------------------------------------------------------ KV events
 
-    async def _publish_events(self, events: list) -> None:
+    async def _publish_events(self, events: list, *, forgotten: bool = False) -> None:
+        """Publish the events; the CPU tier's removals are its evictions, unless the tier is
+        being `forgotten` (its workers lost it)."""
         await self.leadership.ensure()  # KV events and snapshots belong to the leader's block pool
         published = await self.events.publish(events, self.manager.block_pool, self.epoch)
         if published:
             self.metrics.record_kv_events(published)
+            removed = self.events.tier_removed.get(MEDIUM_CPU, 0)
+            if removed != self._tier_removed_seen:
+                if not forgotten:
+                    self.metrics.record_cpu_tier_evictions(removed - self._tier_removed_seen)
+                self._tier_removed_seen = removed
 
     async def _write_snapshot(self) -> None:
         await self.events.write_snapshot(self.manager.block_pool, self.epoch)
@@ -712,6 +733,7 @@ class Engine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             costs=self.routing_costs(),
             max_num_seqs=cfg.max_num_seqs,
+            num_cpu_blocks=self.num_cpu_chunks,
             shared_tier=self.shared.status() if self.shared is not None else None,
         )
 
@@ -726,7 +748,18 @@ class Engine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens(_expected_hits),
             max_num_batched_tokens=self.cfg.max_num_batched_tokens,
             steps=measured.steps,
+            load_s_per_block=self.load_costs() or None,
         )
+
+    def load_costs(self) -> dict[str, float]:
+        """Seconds to load one block from each tier this replica has, as its workers measured
+        them at start-up (the slowest's: a step waits for every worker's copies); the shared
+        tier's only while this ledger uses one. `measured_load_s` overrides."""
+        costs = tier_load_costs(self.workers.values()) if self.num_cpu_chunks else {}
+        if self.shared is None:
+            costs.pop(TIER_SHARED, None)
+        costs.update(self.measured_load_s)
+        return costs
 
     def eviction_head(self) -> EvictionHead:
         """The cached blocks the next allocations evict, for routers: O(requests + horizon)."""

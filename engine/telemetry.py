@@ -118,10 +118,8 @@ class LedgerTelemetry:
         metrics: LedgerMetrics | None,
         scheduler: Scheduler[Tracked] | None = None,
         costs: StepCostEstimator | None = None,
-        bytes_per_block: int = 0,
     ) -> None:
         self.tracer = lean_tracer(tracer)
-        self.bytes_per_block = bytes_per_block  # the KV of one block over the replica's workers
         self.metrics = metrics
         self.costs = costs  # the queue waits feed the step costs published for routers
         self.scheduler = scheduler
@@ -140,6 +138,9 @@ class LedgerTelemetry:
         self._stats_seen = PrefixCacheStats()
         self._tier_seen = PrefixCacheStats()
         self._tier_blocks_seen = (0, 0)
+        self._stores_skipped_seen = 0
+        # A CPU-tier chunk's bytes: one block of every worker (the engine sets it once sized).
+        self.tier_bytes_per_block = 0
         self._prompt_computed_seen = 0
         self._evicted_blocks = 0
 
@@ -246,8 +247,11 @@ class LedgerTelemetry:
             if self.metrics is not None:
                 self.metrics.record_queue_time(queued_s)
                 if expected is not None:  # the router expected this prefix here: did it find it?
+                    # Its GPU hit and what the CPU tier loaded: routers count both, as vLLM
+                    # counts a loaded block as cached.
                     self.metrics.record_routed_hits(
-                        expected_tokens=expected, found_tokens=admission.num_hit_tokens
+                        expected_tokens=expected,
+                        found_tokens=admission.num_hit_tokens + admission.num_loaded_tokens,
                     )
         if self.tracer is None:
             return
@@ -268,7 +272,7 @@ class LedgerTelemetry:
         if admission.num_loaded_tokens:
             attributes[Attr.LOADED_TOKENS] = admission.num_loaded_tokens
             blocks = admission.num_loaded_tokens // self.block_size
-            attributes[Attr.LOADED_BYTES] = blocks * self.bytes_per_block
+            attributes[Attr.LOADED_BYTES] = blocks * self.tier_bytes_per_block
             attributes[Attr.LOADED_SHARED_BLOCKS] = admission.num_shared_blocks
         if request is not None and not admission.resumed:
             hit = admission.num_hit_tokens + admission.num_loaded_tokens
@@ -564,10 +568,23 @@ class LedgerTelemetry:
         if (loaded, stored) != self._tier_blocks_seen:
             seen_loaded, seen_stored = self._tier_blocks_seen
             self.metrics.record_cpu_tier(
-                loaded_blocks=loaded - seen_loaded, stored_blocks=stored - seen_stored
+                loaded_blocks=loaded - seen_loaded,
+                stored_blocks=stored - seen_stored,
+                bytes_per_block=self.tier_bytes_per_block,
             )
             self._tier_blocks_seen = (loaded, stored)
-        tiering = scheduler.connector.manager if scheduler.connector is not None else None
+        connector = scheduler.connector
+        assert connector is not None
+        tier = connector.manager
+        if isinstance(tier, TieringManager):
+            tier = tier.primary  # the CPU tier's own figures; the shared tier's below
+        self.metrics.set_cpu_tier_state(
+            held_blocks=tier.num_allocated - len(tier.free_list), usage=tier.usage()
+        )
+        if tier.stores_skipped != self._stores_skipped_seen:
+            self.metrics.record_stores_skipped(tier.stores_skipped - self._stores_skipped_seen)
+            self._stores_skipped_seen = tier.stores_skipped
+        tiering = connector.manager
         if isinstance(tiering, TieringManager):
             shared = tiering.stats
             self.metrics.record_shared_tier(

@@ -3,6 +3,7 @@ a lost or restarted worker from a heartbeat. Pure: the service reads the registr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ledger.capacity import BlockCost, capacity_line, check_enough_blocks
@@ -83,6 +84,16 @@ def plan_cpu_tier(offloading: OffloadingConfig, plan: PoolPlan, block_size: int)
         f"tokens, {gib:g} GiB"
     )
     return chunks, line
+
+
+def tier_load_costs(workers: Iterable[WorkerHello]) -> dict[str, float]:
+    """Seconds to load one block from each tier the workers measured: the slowest worker's (a
+    step waits for every worker's copies)."""
+    costs: dict[str, float] = {}
+    for hello in workers:
+        for tier, seconds in (hello.load_s_per_block or {}).items():
+            costs[tier] = max(costs.get(tier, 0.0), seconds)
+    return costs
 
 
 def group_view(live: dict[str, WorkerHello]) -> dict[str, WorkerHello]:

@@ -23,6 +23,7 @@ from gateway.bodies import error_body
 from gateway.fields import ApiError
 from gateway.generate import chat_completions, completions
 from gateway.responses_api import add_responses_routes
+from gateway.router import tier_costs_of
 from gateway.state import GATEWAY, PROBE_MAX_AGE_S, Gateway
 from gateway.utility import add_utility_routes, model_body
 from observability import (
@@ -259,6 +260,7 @@ async def health(request: web.Request) -> web.Response:
     # /metrics shows the counters; v and kind are the wire's; the eviction head is for routers.
     for name in ("metrics", "v", "kind", "eviction"):
         ledger.pop(name, None)
+    ledger["tiers"] = tier_costs_of(status)  # each tier's load cost beside the prefill's
     if status.num_workers == 0 or gw.routing.not_ready() is not None:  # not ready
         body = {"status": "unavailable", "message": gw.unavailable_message(status), **gateway}
         return web.json_response({**body, "ledger": ledger}, status=503)

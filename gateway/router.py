@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Tracer
@@ -38,6 +38,7 @@ from services.routing.policy import (
     RouteDecision,
     Router,
     RouteRequest,
+    SharedTier,
     routable_block_hashes,
 )
 from services.routing.replicas import ReplicaSet, parse_replicas
@@ -45,7 +46,7 @@ from services.routing.shared import SharedPending
 from services.tokenization.tokenizer import Tokenizer
 from services.transport.keys import StreamNames
 from services.wire import codec
-from services.wire.messages import LedgerStatus
+from services.wire.messages import TIER_CPU, TIER_SHARED, LedgerStatus
 
 log = get_logger("gateway.router")
 
@@ -112,7 +113,8 @@ class GatewayRouting:
         )
         self._routed_hit = Counter(
             "kvledger:routed_prefix_hit_tokens",
-            "Prompt tokens the chosen replica was expected to hold at routing time.",
+            "Prompt tokens the chosen replica was expected not to compute at routing time (on "
+            "its GPU, or loaded from its CPU tier or the shared tier).",
             ("replica", "policy"),
             registry=registry,
         )
@@ -147,8 +149,9 @@ class GatewayRouting:
     def num_pending(self) -> int:
         return 0
 
-    def describe(self) -> dict[str, dict[str, str | None]]:
-        """Each replica's health and why it is out, for /health (empty: one replica)."""
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """Each replica's health, why it is out and what its tiers cost, for /health (empty:
+        one replica)."""
         return {}
 
     def any_routable(self) -> bool:
@@ -219,11 +222,16 @@ class Replicas(GatewayRouting):
         # (theirs cannot be read from a server); a replica whose status says otherwise is out.
         self.hashing = (config.hash_algo, config.block_size) if upstreams is not None else None
         self._out_logged: dict[str, str] = {}
+        # The shared tiers this gateway can see into, by namespace (a catalog follower each):
+        # a replica whose status names one is scored on what it holds too.
+        self.shared_tiers: dict[str, SharedTier] = {}
         self.router = Router(
             config.routing,
             list(replicas),
             costs=costs,
             prefix_source=self.replica_set.cached_blocks,
+            tier_source=self.replica_set.cpu_blocks,
+            shared_tiers=self.shared_tiers,
         )
         # What every gateway sent where and is pending there, through the replicas' routing
         # streams: several gateways route as one.
@@ -311,17 +319,21 @@ class Replicas(GatewayRouting):
                 span.set_attributes(_span_attributes(decision))
         chosen = decision.score_of(decision.replica)
         self._routed.labels(decision.replica, self.policy).inc()
-        self._routed_hit.labels(decision.replica, self.policy).inc(chosen.cached_tokens)
+        self._routed_hit.labels(decision.replica, self.policy).inc(chosen.hit_tokens)
         log.debug(
             "routed", replica=decision.replica, policy=self.policy,
-            cached_tokens=chosen.cached_tokens, cost=round(chosen.cost, 4), unit=decision.unit,
+            cached_tokens=chosen.cached_tokens, cpu_tokens=chosen.cpu_tokens,
+            shared_tokens=chosen.shared_tokens, cost=round(chosen.cost, 4), unit=decision.unit,
             healths={score.replica: score.health.value for score in decision.scores},
-            scores={s.replica: [s.cached_tokens, round(s.load_cost, 4), round(s.cost, 4),
-                                s.evicted_blocks] for s in decision.scores},
+            # replica -> [GPU, CPU, shared tokens, load cost, cost, evicted blocks]
+            scores={s.replica: [s.cached_tokens, s.cpu_tokens, s.shared_tokens,
+                                round(s.load_cost, 4), round(s.cost, 4), s.evicted_blocks]
+                    for s in decision.scores},
             lags=replicas.lags(), prompt_tokens=request.num_tokens,
         )  # fmt: skip
         self.shared.routed(req_id)
-        return Route(decision.replica, chosen.cached_tokens)
+        # What it expects the ledger to report as cached: loaded blocks count, as vLLM's do.
+        return Route(decision.replica, chosen.hit_tokens)
 
     def pin(self, job: Job, req_id: str, replica: str) -> Route:
         hashes, block_size = self._block_hashes(job)
@@ -341,7 +353,7 @@ class Replicas(GatewayRouting):
     def num_pending(self) -> int:
         return len(self.router.pending) - self.shared.num_remote()
 
-    def describe(self) -> dict[str, dict[str, str | None]]:
+    def describe(self) -> dict[str, dict[str, Any]]:
         return {
             name: {
                 "health": self.health(name).value,
@@ -349,6 +361,7 @@ class Replicas(GatewayRouting):
                 if self.upstreams is not None and name in self.upstreams
                 else None,
                 "out_reason": self.out_reason(name),
+                **tier_costs_of(self.replica_set.replicas[name].status),
             }
             for name in self.names
         }
@@ -445,6 +458,25 @@ def routing_for(
     )  # fmt: skip
 
 
+def tier_costs_of(status: LedgerStatus | None) -> dict[str, Any]:
+    """What a replica's tiers cost, for /health: its measured prefill seconds per token beside
+    each tier's seconds to load a block (None where not measured), and the tiers' sizes."""
+    if status is None:
+        return {}
+    costs = status.costs
+    per_token = (
+        1.0 / costs.prefill_tokens_per_s if costs is not None and costs.prefill_tokens_per_s > 0
+        else None
+    )  # fmt: skip
+    loads = (costs.load_s_per_block if costs is not None else None) or {}
+    return {
+        "prefill_s_per_token": per_token,
+        "load_s_per_block": {tier: loads.get(tier) for tier in (TIER_CPU, TIER_SHARED)},
+        "num_cpu_blocks": status.num_cpu_blocks,
+        "shared_tier": status.shared_tier.namespace if status.shared_tier is not None else None,
+    }
+
+
 def check_hash_settings(config: GatewayConfig) -> None:
     """External replicas' prompts are hashed as their servers hash them, from settings given
     at start-up; refused when one cannot be known."""
@@ -472,4 +504,9 @@ def _span_attributes(decision: RouteDecision) -> dict:
         Attr.ROUTE_COSTS: [float(s.cost) for s in decision.scores],
         Attr.ROUTE_COST_UNIT: decision.unit,
         Attr.ROUTE_EVICTED_BLOCKS: [s.evicted_blocks for s in decision.scores],
+        Attr.ROUTE_CPU_TOKENS: chosen.cpu_tokens,
+        Attr.ROUTE_SHARED_TOKENS: chosen.shared_tokens,
+        Attr.ROUTE_REPLICA_CPU_TOKENS: [s.cpu_tokens for s in decision.scores],
+        Attr.ROUTE_REPLICA_SHARED_TOKENS: [s.shared_tokens for s in decision.scores],
+        Attr.ROUTE_TIER_COSTS: [float(s.tier_cost) for s in decision.scores],
     }

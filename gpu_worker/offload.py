@@ -11,6 +11,8 @@ a restarted worker has an empty one, and the ledger forgets the tier when it see
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Sequence
 
 import torch
@@ -142,3 +144,31 @@ class HostKVTier:
                 buffer.index_copy_(0, chunks, cache.index_select(0, blocks).cpu())
         self.stores += 1
         self.blocks_stored += len(job.src)
+
+
+def measure_load_cost(
+    kv_caches: Sequence[KVCache], blocks: int = 8, repeats: int = 7
+) -> tuple[float, float]:
+    """(load, store) seconds per block between a host buffer and this cache, as the tier copies:
+    the median of `repeats` jobs of `blocks` blocks, timed to the end of the copy. Each store
+    takes blocks 0.. out and the load puts them back, so the cache is unchanged."""
+    n = max(1, min(blocks, kv_caches[0][0].shape[0]))
+    tier = HostKVTier(kv_caches, n)
+    job = KVTransfer(0, list(range(n)), list(range(n)))
+    cuda = kv_caches[0][0].device.type == "cuda"
+
+    def timed(copy) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        copy(job, kv_caches)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    timed(tier._store), timed(tier._load)  # warm-up: first calls allocate and compile
+    stores, loads = [], []
+    for _ in range(repeats):
+        stores.append(timed(tier._store))
+        loads.append(timed(tier._load))
+    return statistics.median(loads) / n, statistics.median(stores) / n

@@ -7,6 +7,7 @@ The ledger decides every block; the runner only turns a `StepMessage` into one f
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,6 +89,33 @@ class RequestState:
     grammar: GrammarState | None = None  # structured outputs: the request's matcher
 
 
+class _CopyClock:
+    """Times a step's copies before and after its forward pass: marks at the start, after the
+    loads, after the forward pass and after the stores; `seconds` is [loads, stores]. On CUDA
+    the marks are events on the stream (read once the step's results are in, so they are done),
+    elsewhere the wall clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        start, loaded, computed, stored = self.marks
+        if self.cuda:
+            stored.synchronize()
+            return [start.elapsed_time(loaded) / 1e3, computed.elapsed_time(stored) / 1e3]
+        return [loaded - start, stored - computed]
+
+
 @dataclass(slots=True)
 class StepOutput:
     sampled: dict[str, int]  # req_id -> token, for requests whose chunk reached their end
@@ -96,6 +124,7 @@ class StepOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled tokens
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     transfers_done: list[int] | None = None  # the step's CPU-tier copies, all run
+    transfer_seconds: list[float] | None = None  # [the copies before the forward, after it]
 
 
 @dataclass(slots=True)
@@ -231,11 +260,17 @@ class ModelRunner:
         if tier is None or transfers is None:
             running = [c for c in chunks if c.num_tokens > 0]
             return self._run(running) if running else StepOutput({}, None, 0)
-        # The CPU tier's copies around the forward pass (KVTransfers says why in this order).
+        # The CPU tier's copies around the forward pass (KVTransfers says why in this order),
+        # timed on the device's own clock (CUDA events: a load is queued, not waited for).
+        clock = _CopyClock(self.device)
         done = tier.before_forward(transfers, self.kv_caches)
+        clock.mark()
         running = [c for c in chunks if c.num_tokens > 0]
         output = self._run(running) if running else StepOutput({}, None, 0)
+        clock.mark()
         output.transfers_done = done + tier.after_forward(transfers, self.kv_caches)
+        clock.mark()
+        output.transfer_seconds = clock.seconds()
         return output
 
     def _host_tier(self, transfers: KVTransfers) -> HostKVTier:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import statistics
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -151,6 +153,9 @@ def make_backend(spec: SharedTierSpec, r: aioredis.Redis, prefix: str) -> Backen
     return RedisBackend(r, prefix)
 
 
+PROBE_NAMESPACE = "probe"
+
+
 class WorkerSharedTier:
     """Runs a step's shared-tier copies for this rank (`run`: job id -> failed key indices)."""
 
@@ -212,6 +217,30 @@ class WorkerSharedTier:
             return self._all_failed("write", keys, exc)
         self.blocks_written += len(keys)
         return []
+
+    async def measure_promotion(
+        self, kv_caches: Sequence, worker_id: str, blocks: int = 8, repeats: int = 5
+    ) -> float:
+        """Seconds per block to read a block back from the store into a host buffer (what a
+        promotion costs; the CPU tier's load comes on top): `blocks` probe blocks written under
+        a namespace of their own, read back `repeats` times, the median, then deleted."""
+        host = HostKVTier(kv_caches, blocks)
+        namespace = f"{PROBE_NAMESPACE}-{worker_id}"
+        keys = [f"probe{i}".encode().ljust(36, b"\0") for i in range(blocks)]
+        chunks = list(range(blocks))
+        if await self._cascade(namespace, keys, chunks, host):
+            raise OSError("the probe blocks could not be written")
+        times = []
+        try:
+            for _ in range(repeats + 1):  # the first read warms the connection and the page cache
+                started = time.perf_counter()
+                if await self._promote(namespace, keys, chunks, host):
+                    raise OSError("the probe blocks could not be read back")
+                times.append((time.perf_counter() - started) / blocks)
+        finally:
+            await self.backend.delete(namespace, keys, self.rank)
+            self.blocks_read = self.blocks_written = 0
+        return statistics.median(times[1:])
 
     def _all_failed(self, what: str, keys: list[bytes], exc: Exception) -> list[int]:
         self.failures += len(keys)

@@ -25,6 +25,7 @@ import torch
 
 from gpu_worker.devices import resolve_device
 from gpu_worker.kv_identity import kv_identity
+from gpu_worker.offload import measure_load_cost
 from gpu_worker.parallel import TensorParallel, TensorParallelError
 from gpu_worker.profile import ProfileSettings
 from gpu_worker.request_spans import RequestSpans
@@ -39,7 +40,14 @@ from services.startup import StartupError, freeze_after_startup
 from services.transport import redis_streams, registry
 from services.transport.keys import RESULTS_MAXLEN
 from services.wire.codec import WireError, encode, kind_of
-from services.wire.messages import StepMessage, StepResult, WorkerHello, WorkerShutdown
+from services.wire.messages import (
+    TIER_CPU,
+    TIER_SHARED,
+    StepMessage,
+    StepResult,
+    WorkerHello,
+    WorkerShutdown,
+)
 
 log = get_logger("kvledger.worker")
 T = TypeVar("T")
@@ -81,6 +89,13 @@ class WorkerService:
             config.model, config.seed, runner.kv_caches[0][0].dtype, model.num_hidden_layers,
             model.num_key_value_heads, model.head_dim, runner.model.tp.size,
         )  # fmt: skip
+        # What a load from the CPU tier costs here, for routers to weigh against a prefill.
+        self.tier_costs: tuple[float, float] | None = None
+        if config.offloading is not None:
+            try:
+                self.tier_costs = measure_load_cost(runner.kv_caches)
+            except (RuntimeError, MemoryError) as exc:  # routers then borrow another's figure
+                log.warning("cpu_tier_load_cost_unmeasured", error=str(exc))
         self.hello = WorkerHello(
             worker_id=self.worker_id,
             group=config.group,
@@ -100,6 +115,7 @@ class WorkerService:
             tp_rank=runner.model.tp.rank,
             tp_size=runner.model.tp.size,
             kv_identity=json.dumps(identity, sort_keys=True),
+            load_s_per_block={TIER_CPU: self.tier_costs[0]} if self.tier_costs else None,
         )
         # The shared tier's copies (--kv-shared-tier), run after each step's forward pass.
         self.shared: WorkerSharedTier | None = None
@@ -126,6 +142,8 @@ class WorkerService:
             )  # fmt: skip
 
     async def run(self) -> None:
+        if self.shared is not None:
+            await self._measure_shared_tier()
         # The worker may start before its Redis (or while it restarts): wait for it with the
         # loops' backoff, logging the outage once, instead of crashing.
         await redis_streams.Reconnect("startup").call(self._join)
@@ -137,6 +155,7 @@ class WorkerService:
             device=self.hello.device,
             model=self.hello.model_name,
             profile=self.hello.detail,
+            **self._tier_cost_fields(),
         )
         heartbeat = registry.Heartbeat(
             self.redis_url, self.cfg.streams, self.hello, self.cfg.ttl_s, self.cfg.heartbeat_s
@@ -151,6 +170,31 @@ class WorkerService:
             await asyncio.to_thread(heartbeat.stop)
             with contextlib.suppress(aioredis.RedisError):
                 await registry.unregister(self.r, self.cfg.streams, self.hello)
+
+    def _tier_cost_fields(self) -> dict[str, float]:
+        if self.tier_costs is None:
+            return {}
+        load, store = self.tier_costs
+        return {
+            "cpu_tier_load_s_per_block": round(load, 7),
+            "cpu_tier_store_s_per_block": round(store, 7),
+        }
+
+    async def _measure_shared_tier(self) -> None:
+        """What a load from the shared tier costs here, for routers: a promotion (store -> host
+        buffer) measured through the backend, then the CPU tier's load on top. A store that
+        cannot be measured now (unreachable) leaves the figure to the fleet's."""
+        assert self.shared is not None
+        try:
+            promotion = await self.shared.measure_promotion(self.runner.kv_caches, self.worker_id)
+        except Exception as exc:
+            log.warning("shared_tier_load_cost_unmeasured", error=f"{type(exc).__name__}: {exc}")
+            return
+        cpu = self.tier_costs[0] if self.tier_costs else 0.0
+        loads = dict(self.hello.load_s_per_block or {})
+        loads[TIER_SHARED] = promotion + cpu
+        self.hello.load_s_per_block = loads
+        log.info("shared_tier_load_cost", promotion_s_per_block=promotion, load_s_per_block=loads)
 
     async def _join(self) -> None:
         with contextlib.suppress(aioredis.ResponseError):
@@ -318,6 +362,7 @@ class WorkerService:
             failed_requests=failed,
             transfers_done=output.transfers_done,
             shared_failed=shared_failed,
+            transfer_seconds=output.transfer_seconds,
         )
 
     async def _shared_copies(self, step: StepMessage) -> dict[int, list[int]] | None:

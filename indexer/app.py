@@ -3,8 +3,9 @@
 It answers what llm-d's KV-cache indexer answers, from kvledger's own events: for a prompt (token
 ids, or text it tokenizes with the model's tokenizer) and its cache salt, how many leading blocks
 and tokens each replica holds, hashed exactly as that replica's ledger hashes (its block size and
-algorithm, from its status key; NONE_HASH from PYTHONHASHSEED). Only the blocks a ledger could
-hit count, never the prompt's last token, which a ledger always computes. Each replica's health
+algorithm, from its status key; NONE_HASH from PYTHONHASHSEED), and where the rest of them
+would come from there (its CPU tier, the shared tier, or computed). Only the blocks a ledger
+could hit count, never the prompt's last token, which a ledger always computes. Each replica's health
 comes with its score: `stale` (its events or status are behind, the count may be old) or `out`
 (its ledger stopped answering): routers should weigh or drop those.
 """
@@ -23,13 +24,21 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from indexer.score import ScoreRequestError, read_score_request
+from ledger.events import MEDIUM_CPU
 from observability import get_logger
 from observability.ratelimit import RateLimitedLog
 from services.config import IndexerConfig
 from services.environment import ConfigError
 from services.http_server import CappedSite, connection_cap, limits_of, runner_options
 from services.routing.costs import MeasuredCosts
-from services.routing.policy import HealthLimits, Precise, ReplicaHealth, Router, RouteRequest
+from services.routing.policy import (
+    HealthLimits,
+    Precise,
+    ReplicaHealth,
+    Router,
+    RouteRequest,
+    SharedTier,
+)
 from services.routing.replicas import ReplicaSet, parse_replicas
 from services.routing.shared import SharedPending
 from services.tokenization.load import load_tokenizer
@@ -41,6 +50,8 @@ log = get_logger("indexer")
 
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 ROUTER = web.AppKey("router", Router)
+# The shared tiers the indexer sees into, by namespace (a catalog follower each).
+SHARED_TIERS = web.AppKey("shared_tiers", dict[str, SharedTier])
 SHARED = web.AppKey("shared", SharedPending)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -60,8 +71,12 @@ def create_app(config: IndexerConfig, redis: aioredis.Redis | None = None) -> we
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
     app[REPLICAS] = replica_set
     # The gateway's precise policy and measured costs, asked to score, never to route.
+    shared_tiers: dict[str, SharedTier] = {}
+    app[SHARED_TIERS] = shared_tiers
     app[ROUTER] = Router(
-        Precise(replica_set.cached_blocks), replica_set.names, costs=MeasuredCosts()
+        Precise(replica_set.cached_blocks, replica_set.cpu_blocks, shared_tiers),
+        replica_set.names,
+        costs=MeasuredCosts(),
     )
     app[TOKENIZER] = load_tokenizer(config.model)
 
@@ -105,20 +120,30 @@ async def score(request: web.Request) -> web.Response:
         cached = replicas.cached_blocks(name, hashes) if hashes is not None else 0
         route = RouteRequest(len(wanted.token_ids), hashes or [], block_size or 1)
         scored = router.score(name, route, loads, healths, now)
+        size = block_size or 0
         scores[name] = {
             "cached_blocks": cached,
-            "cached_tokens": cached * block_size if block_size else 0,
+            "cached_tokens": cached * size,
             "block_size": block_size,
             "health": health.value,
-            "expected_cached_tokens": scored.cached_tokens if block_size else 0,
+            "expected_cached_tokens": scored.hit_tokens if block_size else 0,
             "evicted_blocks": scored.evicted_blocks,
             "pending_requests": router.pending.on(name),
+            # Where the prompt's blocks would come from there: its GPU (at admission), then
+            # loads from its CPU tier or the shared tier; the rest is computed.
+            "gpu_blocks": scored.cached_blocks if block_size else 0,
+            "gpu_tokens": scored.cached_tokens if block_size else 0,
+            "cpu_blocks": scored.cpu_blocks,
+            "cpu_tokens": scored.cpu_blocks * size,
+            "shared_blocks": scored.shared_blocks,
+            "shared_tokens": scored.shared_blocks * size,
             "load_cost": round(scored.load_cost, 6),
+            "tier_cost": round(scored.tier_cost, 6),
             "cost": round(scored.cost, 6),
         }
         if health is not ReplicaHealth.OUT:
             costs[name] = scored.cost
-            held = held or scored.cached_blocks > 0
+            held = held or scored.cached_blocks + scored.cpu_blocks + scored.shared_blocks > 0
     best = min(costs, key=lambda n: costs[n]) if held else None
     return web.json_response(
         {
@@ -141,6 +166,7 @@ async def health(request: web.Request) -> web.Response:
             "stream_prefix": state.streams.prefix,
             "last_id": sub.last_id,
             "cached_hashes": len(sub.index),
+            "cpu_hashes": len(sub.index.tier(MEDIUM_CPU)),
             "batches_applied": sub.batches_applied,
             "entries_skipped": sub.skipped,
             "bootstraps": sub.bootstraps,

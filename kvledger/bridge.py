@@ -53,9 +53,14 @@ from ledger.hashing import BlockHasher, to_event_hash
 from observability import get_logger
 from services.config import BridgeConfig
 from services.environment import ConfigError
-from services.events.runs import HASHES_FIELD, apply_runs, decode_runs
-from services.events.snapshot import CLEARED, decode_snapshot, snapshot_counts
-from services.events.subscriber import batch_hash_runs, event_hash
+from services.events.runs import HASHES_FIELD, TIERS_FIELD, decode_runs, decode_tier_runs
+from services.events.snapshot import (
+    CLEARED,
+    decode_snapshot,
+    snapshot_counts,
+    snapshot_tier_counts,
+)
+from services.events.subscriber import PrefixIndex, batch_runs_by_tier, event_hash
 from services.events.zmq_follower import Batch, ZmqFollower
 from services.startup import freeze_after_startup
 from services.transport import redis_streams
@@ -186,7 +191,7 @@ class Bridge:
         entries = []
         for batch in batches:
             try:
-                runs = batch_hash_runs(batch.payload)
+                runs, tier_runs = batch_runs_by_tier(batch.payload)
             except EventDecodeError as exc:
                 # Stepped over, never guessed at: the index misses this batch's effect.
                 self.undecodable += 1
@@ -199,7 +204,7 @@ class Bridge:
             ):
                 self.hash_batches += 1
                 self._check_hashes(batch.payload)
-            entries.append((batch.payload, runs, {SOURCE_SEQ_FIELD: b"%d" % batch.seq}))
+            entries.append((batch.payload, runs, {SOURCE_SEQ_FIELD: b"%d" % batch.seq}, tier_runs))
         if not entries:
             return
         await self._appended()
@@ -263,7 +268,8 @@ class Bridge:
         if data is None:
             return None
         snapshot = decode_snapshot(cast(bytes, data))
-        counts = snapshot_counts(snapshot)
+        index = PrefixIndex()  # the GPU's blocks and the tiers', as a subscriber builds them
+        index.counts, index.tiers = snapshot_counts(snapshot), snapshot_tier_counts(snapshot)
         last_id = snapshot.stream_id.encode()
         if snapshot.stream_id != "0-0" and not await self.r.xrange(
             self.streams.events, min=last_id, max=last_id
@@ -276,15 +282,19 @@ class Bridge:
                 await self.r.xrange(self.streams.events, min=start, count=1000),
             )
             for entry_id, fields in entries:
-                runs = decode_runs(fields[HASHES_FIELD]) if HASHES_FIELD in fields else None
-                if runs is None:
-                    runs = batch_hash_runs(fields[b"batch"])
-                apply_runs(counts, runs)
+                if HASHES_FIELD in fields:
+                    index.apply_runs(decode_runs(fields[HASHES_FIELD]))
+                    if TIERS_FIELD in fields:
+                        index.apply_tier_runs(decode_tier_runs(fields[TIERS_FIELD]))
+                else:
+                    runs, tier_runs = batch_runs_by_tier(fields[b"batch"])
+                    index.apply_runs(runs)
+                    index.apply_tier_runs(tier_runs)
                 last_id = entry_id
             if len(entries) < 1000:
                 break
             start = b"(" + entries[-1][0]
-        self.events.load(counts, last_id)
+        self.events.load(index.counts, last_id, index.tiers)
         # The epoch goes on: a resumed bridge is no new view of the replica.
         bridge_id, _, generation = snapshot.epoch.removeprefix("bridge-").rpartition(".")
         if bridge_id and generation.isdigit():

@@ -17,9 +17,11 @@ from ledger.capacity import (
     dtype_bytes,
     kv_budget_from_utilization,
     num_blocks_from_memory,
+    tier_capacity_line,
 )
 from ledger.hashing import HASH_ALGOS, BlockHasher, resolve_none_hash_seed, to_event_hash
-from services.config import parse_bytes
+from ledger.offloading.base import num_cpu_chunks
+from services.config import parse_bytes, parse_offloading_size
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +62,21 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--activation-peak", default="0", help="profiled peak activation memory")
     p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--device", default="GPU", help="name in the capacity line (GPU, CPU)")
+    p.add_argument(
+        "--kv-offloading-size",
+        help="the CPU tier in GiB, as the ledger's --kv-offloading-size: print its size in blocks "
+        "and tokens too",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="workers sharing each block (the CPU tier pads each worker's share to whole pages)",
+    )
+    p.add_argument(
+        "--shared-tier-size",
+        help="the shared tier's budget, e.g. 100GiB: print what it holds in blocks and tokens",
+    )
     p.set_defaults(func=cmd_capacity)
 
     p = sub.add_parser(
@@ -167,7 +184,30 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         print(f"ValueError: {exc}")
         return 1
     print(capacity_line(num_blocks, args.block_size, args.max_model_len, args.device))
+    try:
+        for line in tier_lines(args, shape.bytes_per_block):
+            print(line)
+    except ValueError as exc:
+        print(f"kvledger capacity: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def tier_lines(args: argparse.Namespace, bytes_per_block: int) -> list[str]:
+    """Each tier beyond the GPU's, in blocks and tokens: the CPU tier as the ledger sizes it
+    (vLLM's count: the budget over one block of every worker, padded to whole pages), the shared
+    tier as its budget over a block's bytes (before its backend's own overhead)."""
+    lines = []
+    tp = max(1, args.tensor_parallel_size)
+    if args.kv_offloading_size:
+        gib = parse_offloading_size(args.kv_offloading_size)
+        chunks = num_cpu_chunks(gib * 2**30, -(-bytes_per_block // tp), tp)
+        lines.append(tier_capacity_line("CPU tier", chunks, args.block_size, gib * 2**30))
+    if args.shared_tier_size:
+        budget = parse_bytes(args.shared_tier_size)
+        blocks = budget // bytes_per_block if bytes_per_block else 0
+        lines.append(tier_capacity_line("Shared tier", blocks, args.block_size, budget))
+    return lines
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -123,6 +123,14 @@ def capacity_line(num_blocks: int, block_size: int, max_model_len: int, device: 
     )
 
 
+def tier_capacity_line(name: str, num_blocks: int, block_size: int, budget_bytes: float) -> str:
+    """A KV tier's size: "CPU tier: 29,127 blocks, 466,032 tokens, 1 GiB"."""
+    return (
+        f"{name}: {num_blocks:,} blocks, {num_blocks * block_size:,} tokens, "
+        f"{budget_bytes / 2**30:g} GiB"
+    )
+
+
 def estimate_max_model_len(
     available_bytes: int, shape: KVCacheShape | BlockCost, max_model_len: int
 ) -> int:

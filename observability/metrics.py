@@ -181,6 +181,36 @@ class LedgerMetrics:
             "kvledger:cpu_tier_stored_blocks",
             "KV blocks stored from the GPU cache into the CPU tier.",
         )
+        self._tier_evicted = self._counter(
+            "kvledger:cpu_tier_evicted_blocks",
+            "KV blocks the CPU tier evicted to make room for stores (published as BlockRemoved "
+            "with medium CPU).",
+        )
+        self._tier_held = self._gauge(
+            "kvledger:cpu_tier_blocks",
+            "KV blocks the CPU tier holds now (stored, or being stored).",
+        )
+        # vLLM's names for the transfers (its OffloadingConnector's and CPU tier's metrics).
+        self._offload = {
+            name: self._counter(name, doc)
+            for name, doc in (
+                ("vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage to GPU."),
+                ("vllm:kv_offload_load_time",
+                 "Total load time from offload storage to GPU, in seconds."),
+                ("vllm:kv_offload_store_bytes", "Total bytes stored from GPU to offload storage."),
+                ("vllm:kv_offload_store_time",
+                 "Total store time from GPU to offload storage, in seconds."),
+                ("vllm:kv_offload_stores_skipped",
+                 "Number of KV offload stores skipped because the reuse threshold was not "
+                 "reached."),
+            )
+        }  # fmt: skip
+        self._offload_usage = self._gauge(
+            "vllm:kv_offload_cpu_cache_usage_perc",
+            "Fraction of CPU KV-cache space currently pinned by active transfers (0.0 = idle, "
+            "1.0 = saturated). Sustained high values indicate transfers (stores or promotions) "
+            "may be dropped due to insufficient capacity.",
+        )
         # The shared tier (--kv-shared-tier), behind the CPU tier: this ledger's copies.
         self._shared_counters = {
             name: self._counter(f"kvledger:shared_tier_{name}", text)
@@ -243,9 +273,31 @@ class LedgerMetrics:
         self._external_queries.inc(queried_tokens)
         self._external_hits.inc(hit_tokens)
 
-    def record_cpu_tier(self, *, loaded_blocks: int, stored_blocks: int) -> None:
+    def record_cpu_tier(
+        self, *, loaded_blocks: int, stored_blocks: int, bytes_per_block: int = 0
+    ) -> None:
+        """Blocks the CPU tier loaded and stored since the last call, and their bytes (one
+        block of every worker: `bytes_per_block`)."""
         self._tier_loaded.inc(loaded_blocks)
         self._tier_stored.inc(stored_blocks)
+        self._offload["vllm:kv_offload_load_bytes"].inc(loaded_blocks * bytes_per_block)
+        self._offload["vllm:kv_offload_store_bytes"].inc(stored_blocks * bytes_per_block)
+
+    def record_tier_transfer_time(self, *, load_s: float, store_s: float) -> None:
+        """One step's copies, as its workers timed them."""
+        self._offload["vllm:kv_offload_load_time"].inc(load_s)
+        self._offload["vllm:kv_offload_store_time"].inc(store_s)
+
+    def record_cpu_tier_evictions(self, num_blocks: int) -> None:
+        self._tier_evicted.inc(num_blocks)
+
+    def record_stores_skipped(self, count: int) -> None:
+        self._offload["vllm:kv_offload_stores_skipped"].inc(count)
+
+    def set_cpu_tier_state(self, *, held_blocks: int, usage: float) -> None:
+        """The CPU tier's blocks held now, and the share of it pinned by transfers (0..1)."""
+        self._tier_held.set(held_blocks)
+        self._offload_usage.set(min(1.0, max(0.0, usage)))
 
     def record_shared_tier(self, totals: Mapping[str, int]) -> None:
         """The shared tier's counts since start (promoted_blocks, promotion_failures,

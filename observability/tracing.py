@@ -127,6 +127,13 @@ class Attr:
     ROUTE_COSTS = "kvledger.route.costs"
     ROUTE_COST_UNIT = "kvledger.route.cost_unit"  # s (measured costs) or tokens (weights)
     ROUTE_EVICTED_BLOCKS = "kvledger.route.replica_evicted_blocks"  # cached, evicted first
+    # Past the GPU prefix, the tokens loaded from the CPU tier and from the shared tier: the
+    # chosen replica's, every replica's, and what those loads cost (in the cost unit).
+    ROUTE_CPU_TOKENS = "kvledger.route.cpu_tokens"
+    ROUTE_SHARED_TOKENS = "kvledger.route.shared_tokens"
+    ROUTE_REPLICA_CPU_TOKENS = "kvledger.route.replica_cpu_tokens"
+    ROUTE_REPLICA_SHARED_TOKENS = "kvledger.route.replica_shared_tokens"
+    ROUTE_TIER_COSTS = "kvledger.route.tier_costs"
     RESUMED = "kvledger.resumed"  # an admission that resumes a preempted request
     EVICTED_FROM_REQUEST_IDS = "kvledger.evicted_from_request_ids"
     BLOCKS_ALLOCATED = "kvledger.blocks_allocated"

@@ -527,8 +527,53 @@ def parse_shared_tier(text: str) -> SharedTierSpec:
 
 
 @dataclass
-class SharedTierShape:
-    """The shared tier, which the ledger and its workers must agree on (both read it)."""
+class EngineShape:
+    """Settings the gateway, ledger and worker must agree on."""
+
+    block_size: int = _opt("KVLEDGER_BLOCK_SIZE", 16, "tokens per KV block", int)
+    max_model_len: int = _opt("KVLEDGER_MAX_MODEL_LEN", 2048, "maximum tokens per request", int)
+
+
+@dataclass
+class CPUTierShape(EngineShape):
+    """The CPU tier (vLLM's two ways to ask for it), read by the ledger, which books it, and by
+    the worker, which measures at start-up what a load from it costs when it is on."""
+
+    kv_offloading_size: float | None = _opt(
+        "KVLEDGER_KV_OFFLOADING_SIZE",
+        None,
+        "a CPU tier of this many GiB (summed over the replica's workers) that full prompt "
+        "blocks are offloaded to and loaded back from instead of recomputed, as vLLM 0.33's "
+        "--kv-offloading-size (its OffloadingConnector); unset: no CPU tier",
+        parse_offloading_size,
+        flags=("--kv-offloading-size",),
+    )
+    kv_transfer_config: dict[str, Any] | None = _opt(  # noqa: RUF009 (None)
+        "KVLEDGER_KV_TRANSFER_CONFIG",
+        None,
+        "vLLM's KV-transfer JSON for the CPU tier, e.g. '{\"kv_connector\": "
+        '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+        '{"eviction_policy": "arc", "cpu_bytes_to_use": 4294967296}}\' (extra config keys: '
+        "cpu_bytes_to_use, eviction_policy lru or arc, store_threshold, max_tracker_size, "
+        "offload_prompt_only; --kv-offloading-size sets cpu_bytes_to_use)",
+        parse_kv_transfer_config,
+        flags=("--kv-transfer-config",),
+    )
+
+    # The CPU tier both of those ask for (None: off), made from them when the config is built.
+    offloading: OffloadingConfig | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # Checked once, at start-up: a tier that cannot be built stops the ledger with the field.
+        self.offloading = offloading_config(
+            self.kv_offloading_size, self.kv_transfer_config, self.block_size
+        )
+
+
+@dataclass
+class SharedTierShape(CPUTierShape):
+    """The shared tier behind the CPU tier, which the ledger and its workers must agree on (both
+    read it)."""
 
     kv_shared_tier: SharedTierSpec | None = _opt(  # noqa: RUF009 (None, a frozen value)
         "KVLEDGER_KV_SHARED_TIER",
@@ -553,17 +598,17 @@ class SharedTierShape:
         lambda text: _choice(text, ("local", "remote")).upper(),
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_shared_tier is not None and self.offloading is None:
+            raise ConfigError(
+                "--kv-shared-tier: the shared tier sits behind the CPU tier (blocks go GPU -> "
+                "CPU -> shared and back): give --kv-offloading-size GiB too"
+            )
+
 
 @dataclass
-class EngineShape:
-    """Settings the gateway, ledger and worker must agree on."""
-
-    block_size: int = _opt("KVLEDGER_BLOCK_SIZE", 16, "tokens per KV block", int)
-    max_model_len: int = _opt("KVLEDGER_MAX_MODEL_LEN", 2048, "maximum tokens per request", int)
-
-
-@dataclass
-class LedgerConfig(CommonConfig, EngineShape, SharedTierShape, HttpServerConfig):
+class LedgerConfig(CommonConfig, SharedTierShape, HttpServerConfig):
     group: str = _opt(None, "default", "worker group this ledger schedules")
     num_workers: int = _opt(
         "KVLEDGER_NUM_WORKERS", 1, "workers to wait for before sizing the pool", int
@@ -644,44 +689,10 @@ class LedgerConfig(CommonConfig, EngineShape, SharedTierShape, HttpServerConfig)
         parse_kv_events_config,
         flags=("--kv-events-config",),
     )
-    kv_offloading_size: float | None = _opt(
-        "KVLEDGER_KV_OFFLOADING_SIZE",
-        None,
-        "a CPU tier of this many GiB (summed over the replica's workers) that full prompt "
-        "blocks are offloaded to and loaded back from instead of recomputed, as vLLM 0.33's "
-        "--kv-offloading-size (its OffloadingConnector); unset: no CPU tier",
-        parse_offloading_size,
-        flags=("--kv-offloading-size",),
-    )
-    kv_transfer_config: dict[str, Any] | None = _opt(  # noqa: RUF009 (None)
-        "KVLEDGER_KV_TRANSFER_CONFIG",
-        None,
-        "vLLM's KV-transfer JSON for the CPU tier, e.g. '{\"kv_connector\": "
-        '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
-        '{"eviction_policy": "arc", "cpu_bytes_to_use": 4294967296}}\' (extra config keys: '
-        "cpu_bytes_to_use, eviction_policy lru or arc, store_threshold, max_tracker_size, "
-        "offload_prompt_only; --kv-offloading-size sets cpu_bytes_to_use)",
-        parse_kv_transfer_config,
-        flags=("--kv-transfer-config",),
-    )
-
-    # The CPU tier both of those ask for (None: off), made from them when the config is built.
-    offloading: OffloadingConfig | None = field(init=False, default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        # Checked once, at start-up: a tier that cannot be built stops the ledger with the field.
-        self.offloading = offloading_config(
-            self.kv_offloading_size, self.kv_transfer_config, self.block_size
-        )
-        if self.kv_shared_tier is not None and self.offloading is None:
-            raise ConfigError(
-                "--kv-shared-tier: the shared tier sits behind the CPU tier (blocks go GPU -> "
-                "CPU -> shared and back): give --kv-offloading-size GiB too"
-            )
 
 
 @dataclass
-class WorkerConfig(CommonConfig, EngineShape, SharedTierShape):
+class WorkerConfig(CommonConfig, SharedTierShape):
     group: str = _opt(None, "default", "worker group to join")
     worker_id: str | None = _opt("KVLEDGER_WORKER_ID", None, "this worker's id (default: host-pid)")
     model: str = _opt("KVLEDGER_MODEL", DEFAULT_MODEL, MODEL_HELP)

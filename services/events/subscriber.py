@@ -2,7 +2,9 @@
 
 It keeps a prefix index (event hash -> how many physical blocks hold it) and answers "how many
 leading tokens of this prompt are cached" by hashing the prompt itself, which needs the ledger's
-hash algorithm and NONE_HASH seed. It checkpoints its index and last stream id to a file, so a
+hash algorithm and NONE_HASH seed. Beside the GPU's blocks it keeps, per offloaded tier (vLLM's
+`medium`, "CPU"), the blocks that tier holds (`PrefixIndex.tiers`), from the same stream (the
+field `tiers`, `services/events/runs.py`) and snapshot. It checkpoints its index and last stream id to a file, so a
 restarted subscriber resumes where it stopped; if the stream was trimmed past that id (events
 lost), it starts over from the snapshot. Of each entry it reads the field `hashes` (the ledger's
 runs of block hashes, `services/events/runs.py`), and vLLM's `batch` only where that is absent
@@ -16,7 +18,7 @@ import logging
 import select
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,10 +36,14 @@ from ledger.events import (
 from ledger.hashing import BlockHasher, to_event_hash
 from services.events.runs import (
     HASHES_FIELD,
+    TIERS_FIELD,
     Run,
+    TierRuns,
     apply_runs,
+    clears_tiers,
     count_into,
     decode_runs,
+    decode_tier_runs,
     indexed,
     remove_from,
 )
@@ -48,8 +54,10 @@ from services.events.snapshot import (
     CheckpointWriter,
     LoggedOps,
     OpLog,
+    TierCounts,
     decode_snapshot,
     snapshot_counts,
+    snapshot_tier_counts,
 )
 from services.transport.keys import StreamNames
 from services.transport.redis_streams import connect, read_from
@@ -106,6 +114,12 @@ def batch_hash_runs(data: bytes) -> list[Run]:
     """The runs (kind, hashes) of one batch as vLLM or kvledger encodes it, for the `hashes`
     field of an entry written from another publisher's bytes (`kvledger bridge`). Reads only the
     kinds and block hashes where it can; raises EventDecodeError for what is no batch."""
+    return batch_runs_by_tier(data)[0]
+
+
+def batch_runs_by_tier(data: bytes) -> tuple[list[Run], TierRuns]:
+    """`batch_hash_runs`, and the runs of the batch's offloaded tiers (the `tiers` field: per
+    medium, with the batch's clears after that medium's first event)."""
     try:
         events: list[Any] = _HASHES_DECODER.decode(data).events
         convert = False
@@ -113,11 +127,26 @@ def batch_hash_runs(data: bytes) -> list[Run]:
         events = decode_batch(data).events  # byte hashes, positional events, odd values
         convert = True
     runs: list[Run] = []
+    tiers: TierRuns = {}
     last, current = -1, cast(list[int], [])
+    tier_last: dict[str, tuple[int, list[int]]] = {}
     kind_of = _KIND_OF
     for event in events:
         kind = kind_of[type(event)]
-        if kind != CLEARED and not indexed(event.medium):
+        if kind == CLEARED:
+            for medium, tier_runs in tiers.items():
+                tier_runs.append((CLEARED, []))
+                tier_last[medium] = (CLEARED, [])
+        elif not indexed(event.medium):
+            medium = event.medium
+            open_run = tier_last.get(medium)
+            if open_run is None or open_run[0] != kind:
+                open_run = (kind, [])
+                tiers.setdefault(medium, []).append(open_run)
+                tier_last[medium] = open_run
+            open_run[1].extend(
+                [event_hash(h) for h in event.block_hashes] if convert else event.block_hashes
+            )
             continue
         if kind != last or kind == CLEARED:
             current = []
@@ -127,18 +156,40 @@ def batch_hash_runs(data: bytes) -> list[Run]:
             current += (
                 [event_hash(h) for h in event.block_hashes] if convert else event.block_hashes
             )
-    return runs
+    return runs, tiers
 
 
 class PrefixIndex:
+    """The GPU's blocks (`counts`: event hash -> physical blocks holding it) and each offloaded
+    tier's (`tiers`: vLLM's medium, "CPU" -> event hash -> blocks). An AllBlocksCleared clears
+    them all."""
+
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}  # event hash -> physical blocks holding it
+        self.tiers: TierCounts = {}
+
+    def tier(self, medium: str) -> dict[int, int]:
+        """The blocks an offloaded tier holds (empty when it has published none)."""
+        return self.tiers.get(medium) or {}
+
+    def _apply_tier_event(self, event: Any, kind: int, ops: OpLog | None) -> None:
+        hashes = [h for h in event.block_hashes if isinstance(h, int)]
+        counts = self.tiers.setdefault(event.medium, {})
+        if kind == STORED:
+            count_into(counts, hashes)
+        else:
+            remove_from(counts, hashes)
+        if ops is not None:
+            ops.tier(event.medium).add(kind, hashes)
 
     def apply(self, batch: KVEventBatch, ops: OpLog | None = None) -> None:
         """Apply one batch; if `ops` is given, append the (kind, hashes) it applied to it."""
         counts = self.counts
         for event in batch.events:
             if not isinstance(event, AllBlocksCleared) and not indexed(event.medium):
+                self._apply_tier_event(
+                    event, STORED if isinstance(event, BlockStored) else REMOVED, ops
+                )
                 continue
             if isinstance(event, BlockStored):
                 # Only int hashes are ever held, so only they change the index.
@@ -153,14 +204,22 @@ class PrefixIndex:
                     ops.add(REMOVED, removed)
             elif isinstance(event, AllBlocksCleared):
                 counts.clear()
+                self.tiers.clear()
                 if ops is not None:
                     ops.add(CLEARED, [])
 
-    def apply_runs(self, runs: Iterable[Run], ops: OpLog | None = None) -> None:
+    def apply_runs(self, runs: list[Run], ops: OpLog | None = None) -> None:
         """Apply runs of (kind, hashes) in order: one entry's `hashes` field (the runs of its
         batch, `services/events/runs.py`) or the operations a checkpoint logged; if `ops` is
-        given, append the operations to it, for the checkpoint."""
+        given, append the operations to it, for the checkpoint. A clear clears every tier."""
         apply_runs(self.counts, runs, ops)
+        if self.tiers and clears_tiers(runs):
+            self.tiers.clear()
+
+    def apply_tier_runs(self, tiers: TierRuns, ops: OpLog | None = None) -> None:
+        """Apply each tier's runs (an entry's `tiers` field, after its `hashes`)."""
+        for medium, runs in tiers.items():
+            apply_runs(self.tiers.setdefault(medium, {}), runs, ops.tier(medium) if ops else None)
 
     def apply_bytes(self, data: bytes, ops: OpLog | None = None) -> None:
         """Apply one batch as the stream carries it (raises EventDecodeError if it is none);
@@ -174,6 +233,7 @@ class PrefixIndex:
         for event in events:
             kind = type(event)
             if kind is not _Cleared and not indexed(event.medium):
+                self._apply_tier_event(event, STORED if kind is _Stored else REMOVED, ops)
                 continue
             if kind is _Stored:
                 count_into(counts, event.block_hashes)
@@ -185,12 +245,15 @@ class PrefixIndex:
                     ops.add(REMOVED, event.block_hashes)
             else:
                 counts.clear()
+                self.tiers.clear()
                 if ops is not None:
                     ops.add(CLEARED, [])
 
     def apply_ops(self, logged: LoggedOps) -> None:
-        """Replay the operations a checkpoint logged, in their order."""
-        self.apply_runs(logged.runs())
+        """Replay the operations a checkpoint logged, in their order (the tiers' after)."""
+        self.apply_runs(list(logged.runs()))
+        if logged.tiers:
+            self.apply_tier_runs(logged.tier_runs())
 
     def cached_prefix_tokens(
         self,
@@ -215,6 +278,16 @@ class PrefixIndex:
             if event_hash not in counts:
                 return index
         return len(event_hashes)
+
+    def tier_blocks(self, medium: str, event_hashes: Sequence[int], start: int = 0) -> int:
+        """How many of these block hashes an offloaded tier holds in a row from `start`."""
+        counts = self.tiers.get(medium)
+        if not counts:
+            return 0
+        for index in range(start, len(event_hashes)):
+            if event_hashes[index] not in counts:
+                return index - start
+        return max(len(event_hashes) - start, 0)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -265,14 +338,16 @@ class KVEventSubscriber:
         else:
             snapshot = decode_snapshot(data if isinstance(data, bytes) else data.encode())
             self.index.counts = snapshot_counts(snapshot)
+            self.index.tiers = snapshot_tier_counts(snapshot)
             self.last_id = snapshot.stream_id
         self.bootstraps += 1
         if self.checkpoint is not None:
-            self.checkpoint.compact(self.last_id, self.index.counts)
+            self.checkpoint.compact(self.last_id, self.index.counts, self.index.tiers)
 
     async def _resume(self, checkpoint: CheckpointWriter) -> None:
         last_id, counts, logged = checkpoint.load()
         self.index.counts = counts
+        self.index.tiers = checkpoint.loaded_tiers
         for entry_id, data in logged:
             if isinstance(data, LoggedOps):
                 self.index.apply_ops(data)
@@ -297,7 +372,9 @@ class KVEventSubscriber:
             runs = fields.get(HASHES_FIELD)
             if runs is not None:
                 try:
-                    index.apply_runs(decode_runs(runs), ops)
+                    decoded = decode_runs(runs)
+                    tiers = fields.get(TIERS_FIELD)
+                    tier_runs = decode_tier_runs(tiers) if tiers is not None else None
                 except msgspec.DecodeError as exc:  # a publisher's bug: `batch` is the record
                     self.hashes_refused += 1
                     log.warning(
@@ -307,6 +384,9 @@ class KVEventSubscriber:
                         exc,
                     )
                 else:
+                    index.apply_runs(decoded, ops)
+                    if tier_runs:
+                        index.apply_tier_runs(tier_runs, ops)
                     applied += 1
                     continue
             try:
@@ -326,7 +406,7 @@ class KVEventSubscriber:
         self.batches_applied += applied
         if applied and self.checkpoint is not None:
             assert ops is not None
-            self.checkpoint.append_ops(self.last_id, ops, self.index.counts)
+            self.checkpoint.append_ops(self.last_id, ops, self.index.counts, self.index.tiers)
         return len(entries)
 
     async def _read(self, block_ms: int | None, count: int) -> list:

@@ -21,6 +21,14 @@ The policies, one `Scorer` each (`POLICIES`):
 The prompt's blocks are hashed once, exactly as the ledger will (`routable_block_hashes`), and
 only the blocks the ledger could hit count: never the last token.
 
+Tiers: past the GPU prefix a replica can load blocks instead of computing them, from its CPU
+tier (the blocks its KV events of medium "CPU" announce) or from a shared tier (one every
+replica of the same namespace loads from: a `SharedTier` the router is given, keyed by the
+namespace each replica's status names). The walk follows the prompt's blocks in order: the GPU
+prefix, then each next block found in the CPU tier or else the shared tier, to the first found
+nowhere (vLLM's connector lookup: consecutive hits from the end of the GPU's). The cost model
+prices the loads beside the prefill of what is left (`CostModel.tier_cost`).
+
 Between two looks at a replica the router counts what was sent there (`PendingRequests`, as
 Dynamo's KV router counts its active requests and blocks; shared by every gateway through Redis,
 `services.routing.shared`): a request not yet finished holds its blocks there (being prefilled,
@@ -40,9 +48,9 @@ import enum
 import itertools
 from abc import ABC
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from ledger.events import KVEventBatch
 from ledger.hashing import BlockHasher, to_event_hash
@@ -55,6 +63,7 @@ from services.routing.costs import (
     RoutingWeights,
     SentSince,
 )
+from services.wire.messages import TIER_CPU, TIER_SHARED
 
 __all__ = [
     "POLICIES",
@@ -79,8 +88,11 @@ __all__ = [
     "RoutingWeights",
     "Scorer",
     "SentPrefixLRU",
+    "SharedTier",
+    "TierBlocks",
     "make_scorer",
     "routable_block_hashes",
+    "walk_tiers",
 ]
 
 
@@ -127,12 +139,32 @@ class RouteRequest:
 class ReplicaScore:
     replica: str
     health: ReplicaHealth
-    cached_blocks: int  # expected to be there at admission (pending and survival included)
-    cached_tokens: int
+    cached_blocks: int  # on its GPU at admission (pending and survival included)
+    cached_tokens: int  # those blocks' tokens
     load_cost: float  # in the cost model's unit (`RouteDecision.unit`)
-    cost: float
+    cost: float  # load_cost + the prefill of what is found nowhere + tier_cost
     sent_since_status: int = 0  # requests sent there after its load was measured (in load_cost)
     evicted_blocks: int = 0  # leading blocks cached now that its next allocations evict
+    # Past the GPU prefix, the blocks in a row it would load from its CPU tier, then (where the
+    # CPU tier has none) from the shared tier; what those loads cost (in cost).
+    cpu_blocks: int = 0
+    shared_blocks: int = 0
+    tier_cost: float = 0.0
+    block_size: int = 0
+
+    @property
+    def cpu_tokens(self) -> int:
+        return self.cpu_blocks * self.block_size
+
+    @property
+    def shared_tokens(self) -> int:
+        return self.shared_blocks * self.block_size
+
+    @property
+    def hit_tokens(self) -> int:
+        """The prompt tokens it would not compute: on its GPU or loaded from a tier (what the
+        ledger reports as cached, as vLLM counts external hits)."""
+        return self.cached_tokens + (self.cpu_blocks + self.shared_blocks) * self.block_size
 
 
 @dataclass(slots=True)
@@ -180,6 +212,46 @@ class ReplicaPrefixIndex:
     def cached_blocks(self, replica: str, block_hashes: Sequence[int]) -> int:
         index = self.replicas.get(replica)
         return index.leading_blocks(block_hashes) if index is not None else 0
+
+
+class SharedTier(Protocol):
+    """A shared tier's contents, as its catalog follower knows them: whether a block (by its
+    KV-event hash) can be loaded from it by a replica of its namespace."""
+
+    def contains(self, event_hash: int) -> bool: ...
+
+
+@dataclass(slots=True)
+class TierBlocks:
+    """Of a request's blocks past the GPU prefix, how many in a row load from each tier."""
+
+    cpu: int = 0
+    shared: int = 0
+
+    def by_tier(self) -> dict[str, int]:
+        return {TIER_CPU: self.cpu, TIER_SHARED: self.shared}
+
+
+def walk_tiers(
+    block_hashes: Sequence[int],
+    start: int,
+    cpu: Container[int] | None,
+    shared: SharedTier | None,
+) -> TierBlocks:
+    """From block `start` on (the end of the GPU prefix), each block in the CPU tier or else
+    the shared tier, to the first found in neither."""
+    found = TierBlocks()
+    if not cpu and shared is None:
+        return found
+    for index in range(start, len(block_hashes)):
+        block_hash = block_hashes[index]
+        if cpu and block_hash in cpu:
+            found.cpu += 1
+        elif shared is not None and shared.contains(block_hash):
+            found.shared += 1
+        else:
+            break
+    return found
 
 
 class SentPrefixLRU:
@@ -314,6 +386,8 @@ def _reorder(entries: OrderedDict[str, Pending]) -> None:
 
 # A replica's cached prefix, in blocks, for the request's routable block hashes.
 PrefixSource = Callable[[str, Sequence[int]], int]
+# The blocks a replica's CPU tier holds (KV-event hashes), from its events.
+TierSource = Callable[[str], Container[int]]
 
 
 class Scorer(ABC):
@@ -334,6 +408,19 @@ class Scorer(ABC):
 
     def cached_blocks(self, replica: str, request: RouteRequest, health: ReplicaHealth) -> int:
         return 0
+
+    def tier_blocks(
+        self,
+        replica: str,
+        request: RouteRequest,
+        health: ReplicaHealth,
+        start: int,
+        load: ReplicaLoad,
+    ) -> TierBlocks:
+        """Of the request's blocks from `start` on (past what it expects on the GPU), how many
+        in a row the replica would load from its CPU tier, then the shared tier (none: the
+        policy does not look at tiers)."""
+        return TierBlocks()
 
     def pick(self, scores: Sequence[ReplicaScore]) -> ReplicaScore:
         """The cheapest; of equals the first (the rotation's next)."""
@@ -371,19 +458,48 @@ class Approx(Scorer):
 
 
 class Precise(Scorer):
-    """The replica's own KV events (its prefix index), trusted while it is LIVE."""
+    """The replica's own KV events (its prefix index, and its CPU tier's blocks), trusted while
+    it is LIVE; the shared tier of its namespace (`shared_tiers`, the catalogs this router
+    follows) while it is not OUT: that is not the replica's own word."""
 
     name = "precise"
     counts_pending = True
     evictions_apply = True
 
-    def __init__(self, source: PrefixSource) -> None:
+    def __init__(
+        self,
+        source: PrefixSource,
+        tier_source: TierSource | None = None,
+        shared_tiers: Mapping[str, SharedTier] | None = None,
+    ) -> None:
         self.source = source
+        self.tier_source = tier_source
+        # namespace -> its shared tier; filled by whoever follows the tiers' catalogs.
+        self.shared_tiers: Mapping[str, SharedTier] = (
+            shared_tiers if shared_tiers is not None else {}
+        )
 
     def cached_blocks(self, replica: str, request: RouteRequest, health: ReplicaHealth) -> int:
         if health is not ReplicaHealth.LIVE:
             return 0
         return self.source(replica, request.block_hashes)
+
+    def tier_blocks(
+        self,
+        replica: str,
+        request: RouteRequest,
+        health: ReplicaHealth,
+        start: int,
+        load: ReplicaLoad,
+    ) -> TierBlocks:
+        cpu = (
+            self.tier_source(replica)
+            if self.tier_source is not None and health is ReplicaHealth.LIVE
+            else None
+        )
+        namespace = load.shared_tier
+        shared = self.shared_tiers.get(namespace) if namespace is not None else None
+        return walk_tiers(request.block_hashes, start, cpu, shared)
 
 
 class Oracle(Precise):
@@ -398,15 +514,21 @@ POLICIES: dict[str, type[Scorer]] = {
 SIMULATED_POLICIES: dict[str, type[Scorer]] = {**POLICIES, Oracle.name: Oracle}
 
 
-def make_scorer(policy: str, prefix_source: PrefixSource | None = None) -> Scorer:
-    """The scorer named `policy`; precise and the oracle read `prefix_source`."""
+def make_scorer(
+    policy: str,
+    prefix_source: PrefixSource | None = None,
+    tier_source: TierSource | None = None,
+    shared_tiers: Mapping[str, SharedTier] | None = None,
+) -> Scorer:
+    """The scorer named `policy`; precise and the oracle read `prefix_source` (and the CPU
+    tiers' blocks from `tier_source`, the shared tiers from `shared_tiers`, when given)."""
     cls = SIMULATED_POLICIES.get(policy)
     if cls is None:
         raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if issubclass(cls, Precise):
         if prefix_source is None:
             raise ValueError(f"the {policy} policy needs a prefix source (the replicas' index)")
-        return cls(prefix_source)
+        return cls(prefix_source, tier_source, shared_tiers)
     return cls()
 
 
@@ -423,10 +545,16 @@ class Router:
         pending: PendingRequests | None = None,
         eviction_aware: bool = True,
         rotation: int = 0,
+        tier_source: TierSource | None = None,
+        shared_tiers: Mapping[str, SharedTier] | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("routing needs at least one replica")
-        self.scorer = policy if isinstance(policy, Scorer) else make_scorer(policy, prefix_source)
+        self.scorer = (
+            policy
+            if isinstance(policy, Scorer)
+            else make_scorer(policy, prefix_source, tier_source, shared_tiers)
+        )
         self.policy = self.scorer.name
         self.replicas = list(replicas)
         self.costs = costs or MeasuredCosts()
@@ -469,7 +597,7 @@ class Router:
         self.scorer.routed(chosen.replica, request)
         if request_id is None:
             request_id = f"#{next(self._ids)}"  # never released: ages out past the capacity
-        prefill = max(request.num_tokens - chosen.cached_tokens, 0)
+        prefill = max(request.num_tokens - chosen.hit_tokens, 0)
         self.pending.add(request_id, chosen.replica, request.block_hashes, now, prefill)
         return RouteDecision(chosen.replica, self.policy, scores, self.costs.unit)
 
@@ -495,6 +623,7 @@ class Router:
         )
         load_cost = self.costs.load_cost(load, sent)
         cached_blocks = evicted = 0
+        tiers = TierBlocks()
         scorer = self.scorer
         if state is not ReplicaHealth.OUT:
             # STALE distrusts only what comes from the replica (its events index); what was
@@ -516,9 +645,18 @@ class Router:
                 cached_blocks = max(
                     cached_blocks, self.pending.cached_blocks(replica, request.block_hashes)
                 )
-        cached_tokens = cached_blocks * request.block_size
-        prefill = self.costs.prefill_cost(max(request.num_tokens - cached_tokens, 0), load)
+            # Past the GPU prefix (what the eviction head spares and what was sent there), the
+            # blocks it would load from a tier instead of computing them.
+            tiers = scorer.tier_blocks(replica, request, state, cached_blocks, load)
+        size = request.block_size
+        cached_tokens = cached_blocks * size
+        found = cached_tokens + (tiers.cpu + tiers.shared) * size
+        prefill = self.costs.prefill_cost(max(request.num_tokens - found, 0), load)
+        tier_cost = (
+            self.costs.tier_cost(tiers.by_tier(), size, load) if tiers.cpu or tiers.shared else 0.0
+        )
         return ReplicaScore(
-            replica, state, cached_blocks, cached_tokens, load_cost, prefill + load_cost,
-            sent.requests, evicted,
+            replica, state, cached_blocks, cached_tokens, load_cost,
+            load_cost + prefill + tier_cost, sent.requests, evicted,
+            tiers.cpu, tiers.shared, tier_cost, size,
         )  # fmt: skip

@@ -3,8 +3,9 @@
 A replica is one ledger and its workers, known by name. `ReplicaSet` keeps, for each, a
 `KVEventSubscriber` (snapshot, then the stream, resumed from a checkpoint when one is given)
 whose index answers "how many leading blocks of this prompt does the replica hold", and the
-ledger's status key (load: running, waiting, KV usage; the block size and hash algorithm to hash
-prompts with). Its health comes from how far behind both are: the events (time since the
+ledger's status key (load: running, waiting, KV usage, what a load from each tier costs, the
+shared tier's namespace; the block size and hash algorithm to hash prompts with). The same
+subscriber's index holds the blocks of the replica's CPU tier (`cpu_blocks`). Its health comes from how far behind both are: the events (time since the
 follower last read to the end of the stream) and the status (time since the ledger last wrote
 it). The indexer (`kvledger indexer`) and the gateway's router both stand on it.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -22,6 +23,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from ledger.events import MEDIUM_CPU
 from ledger.hashing import BlockHasher, resolve_none_hash_seed
 from ledger.step_costs import StepCosts
 from services.events.subscriber import KVEventSubscriber
@@ -184,6 +186,10 @@ class ReplicaSet:
     def cached_blocks(self, name: str, block_hashes: Sequence[int]) -> int:
         return self.replicas[name].subscriber.index.leading_blocks(block_hashes)
 
+    def cpu_blocks(self, name: str) -> Container[int]:
+        """The blocks the replica's CPU tier holds (its KV events of medium CPU)."""
+        return self.replicas[name].subscriber.index.tier(MEDIUM_CPU)
+
     def block_hashes(
         self, name: str, token_ids: Sequence[int], cache_salt: str | None = None
     ) -> list[int] | None:
@@ -282,4 +288,6 @@ def load_of(status: LedgerStatus) -> ReplicaLoad:
             costs.queue_wait_s, costs.steps,
         ) if costs is not None else None,
         queued_prefill_tokens=costs.queued_prefill_tokens if costs is not None else 0,
+        load_s_per_block=dict(costs.load_s_per_block or {}) if costs is not None else {},
+        shared_tier=status.shared_tier.namespace if status.shared_tier is not None else None,
     )  # fmt: skip

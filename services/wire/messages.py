@@ -196,6 +196,14 @@ class WorkerShutdown(Message, tag="worker_shutdown"):
     reason: str = "ledger stopping"
 
 
+# The KV tiers by name, as the status, /health and /score spell them: the worker's GPU cache,
+# its CPU tier (the host buffer, vLLM's medium "CPU"), a shared tier other replicas load from.
+TIER_GPU = "gpu"
+TIER_CPU = "cpu"
+TIER_SHARED = "shared"
+TIERS = (TIER_GPU, TIER_CPU, TIER_SHARED)
+
+
 class WorkerHello(Message, tag="hello"):
     """A worker's registration: who it is and how many KV blocks its memory profile allows."""
 
@@ -217,6 +225,10 @@ class WorkerHello(Message, tag="hello"):
     # What makes its KV interchangeable with another worker's (gpu_worker.kv_identity, as
     # JSON): the shared tier's namespace binds it.
     kv_identity: str = ""
+    # Seconds to load one block into its KV cache from a tier, measured once at start-up (the
+    # median of a few copies; "cpu": its host buffer, when the CPU tier is on). None: not
+    # measured (no tier, or a worker of an earlier release).
+    load_s_per_block: dict[str, float] | None = None
 
 
 class StepResult(Message, tag="result"):
@@ -236,6 +248,9 @@ class StepResult(Message, tag="result"):
     # Every shared-tier copy of the step -> the indices of its keys this worker failed to copy
     # (empty: all copied); a failed copy is not an error of the step, the block is recomputed.
     shared_failed: dict[int, list[int]] | None = None
+    # Seconds this worker's copies took: [before the forward pass (the loads, and the rare
+    # flushed stores), after it (the stores)]; None: no copies (or an earlier release).
+    transfer_seconds: list[float] | None = None
 
 
 class RequestOutput(Record, omit_defaults=True):
@@ -285,6 +300,10 @@ class RoutingCosts(Record):
     queued_prefill_tokens: int = 0  # tokens to prefill before a request arriving now (at most)
     max_num_batched_tokens: int = 0
     steps: int = 0  # steps measured since the ledger started
+    # Seconds to load one block into the GPU cache from each tier it has (TIER_CPU: the slowest
+    # worker's start-up measurement; TIER_SHARED: the shared tier's, measured from its
+    # backend); None or a tier missing: not measured (routers then borrow the others' figure).
+    load_s_per_block: dict[str, float] | None = None
 
 
 class EvictionHead(Message, tag="eviction_head"):
@@ -366,6 +385,9 @@ class LedgerStatus(Message, tag="ledger_status"):
     enable_prefix_caching: bool = True
     costs: RoutingCosts | None = None  # for routers: measured step costs and the queue
     max_num_seqs: int = 0  # sequences in one step (0: a ledger that does not say)
+    num_cpu_blocks: int = 0  # the CPU tier's size in blocks (0: no CPU tier)
+    # The shared tier this replica loads from and stores to (replicas with the same namespace
+    # load each other's blocks); None: no shared tier.
     shared_tier: SharedTierStatus | None = None
 
 

@@ -12,7 +12,11 @@ import msgpack
 
 from ledger.hashing import to_event_hash
 from ledger.offloading.base import offload_key_block_hash
+from services.config import SharedTierSpec
+from services.events.subscriber import KVEventSubscriber
+from services.wire.messages import TIER_CPU, TIER_SHARED
 from tests.engine.test_ledger_service import prompts
+from tests.harness.gateway_stack import gateway_on
 from tests.harness.stack import Stack, dense_greedy
 
 # The tiny Llama's block is 32 KiB (4 layers, K and V, 16 tokens of one 64-wide head, float32):
@@ -55,6 +59,11 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
     try:
         tokens_off = await serve(off)
         computed_off = off.ledger.scheduler.num_prompt_tokens_computed
+        # No tier: nothing measured, none published.
+        assert off.worker_services["w0"].hello.load_s_per_block is None
+        status = off.ledger.status()
+        assert status.num_cpu_blocks == 0 and status.costs is not None
+        assert status.costs.load_s_per_block is None
     finally:
         await off.stop()
     on = await Stack(redis_url, tiny_model, kv_offloading_size=TIER_GIB, **SETTINGS).start()
@@ -93,6 +102,17 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
         assert metric("kvledger:cpu_tier_loaded_blocks_total") == host.blocks_loaded
         assert metric("kvledger:cpu_tier_stored_blocks_total") == host.blocks_stored
         assert metric("vllm:external_prefix_cache_hits_total") > 0
+        # vLLM's transfer metrics: bytes from the blocks moved (32 KiB each), time as timed.
+        block_bytes = on.worker_services["w0"].hello.bytes_per_block
+        assert metric("vllm:kv_offload_load_bytes_total") == host.blocks_loaded * block_bytes
+        assert metric("vllm:kv_offload_store_bytes_total") == host.blocks_stored * block_bytes
+        assert 0 < metric("vllm:kv_offload_load_time_total") < 5  # type: ignore[operator]
+        assert 0 < metric("vllm:kv_offload_store_time_total") < 5  # type: ignore[operator]
+        held_now = len(scheduler.connector.manager.ready_keys())  # type: ignore[union-attr]
+        assert metric("kvledger:cpu_tier_blocks") == held_now
+        # Every store past the tier's 32 chunks evicted one, and published it.
+        assert metric("kvledger:cpu_tier_evicted_blocks_total") == host.blocks_stored - held_now
+        assert metric("vllm:kv_offload_cpu_cache_usage_perc") == 0.0  # nothing in flight
         assert (
             metric("kvledger:prompt_tokens_computed_total")
             == ledger.scheduler.num_prompt_tokens_computed
@@ -108,8 +128,52 @@ async def test_the_cpu_tier_loads_evicted_prefixes_and_keeps_greedy_tokens_exact
         held = {to_event_hash(offload_key_block_hash(k)) for k in connector.manager.ready_keys()}
         stored = {e["block_hashes"][0] for e in cpu if e["type"] == "BlockStored"}
         assert held <= stored and held
+        # The stream's mirror, its snapshot and a router's index of the tier are its books.
+        assert set(ledger.events.tier_counts["CPU"]) == held
+        follower = KVEventSubscriber(on.r, on.streams.prefix, replica=on.streams.replica)
+        await follower.start("start")
+        while await follower.poll(block_ms=None):
+            pass
+        await ledger.events.write_snapshot(ledger.manager.block_pool, ledger.epoch)
+        late = KVEventSubscriber(on.r, on.streams.prefix, replica=on.streams.replica)
+        await late.start("snapshot")
+        for index in (follower.index, late.index):
+            assert set(index.tier("CPU")) == held
+            assert index.counts == ledger.events.counts
     finally:
         await on.stop()
+
+
+async def test_the_workers_load_cost_reaches_the_status_and_the_gateways_health(
+    redis_url, tiny_model, tmp_path
+):
+    stack = await Stack(
+        redis_url, tiny_model, kv_offloading_size=TIER_GIB,
+        kv_shared_tier=SharedTierSpec("dir", path=str(tmp_path)), **SETTINGS,
+    ).start()  # fmt: skip
+    try:
+        hello = stack.worker_services["w0"].hello
+        assert hello.load_s_per_block is not None
+        measured = hello.load_s_per_block[TIER_CPU]
+        assert 0 < measured < 0.05  # a 32 KiB copy on the CPU: microseconds, not a step
+        # The shared tier's: a read through its backend into the host buffer, then that copy.
+        shared = hello.load_s_per_block[TIER_SHARED]
+        assert measured < shared < 0.5
+        assert not any(tmp_path.rglob("*.kvb"))  # the probe blocks are gone again
+        namespace = stack.ledger.shared.namespace
+        async with gateway_on(stack) as client:
+            for _ in range(100):  # the ledger rewrites its status every second
+                body = await (await client.get("/health")).json()
+                tiers = body.get("ledger", {}).get("tiers", {})
+                if tiers.get("shared_tier") == namespace:
+                    break
+                await asyncio.sleep(0.05)
+        assert tiers["load_s_per_block"] == {TIER_CPU: measured, TIER_SHARED: shared}
+        assert tiers["num_cpu_blocks"] == 32
+        assert body["ledger"]["costs"]["load_s_per_block"] == tiers["load_s_per_block"]
+        assert "prefill_s_per_token" in tiers  # None until a prefill step is measured
+    finally:
+        await stack.stop()
 
 
 async def test_a_restarted_worker_takes_the_tier_with_it_and_the_ledger_forgets_it(
@@ -145,6 +209,11 @@ async def test_a_restarted_worker_takes_the_tier_with_it_and_the_ledger_forgets_
             for h in e["block_hashes"]
         }
         assert held <= removed
+        # The mirror holds what the tier stored since, as its books do.
+        now_held = {
+            to_event_hash(offload_key_block_hash(k)) for k in connector.manager.ready_keys()
+        }
+        assert set(stack.ledger.events.tier_counts.get("CPU", {})) == now_held
         assert stack.ledger.manager.num_free_blocks == 23
         assert not connector.jobs and not stack.ledger.scheduler.holding
     finally:

@@ -194,7 +194,7 @@ async def test_every_write_of_a_deposed_leader_is_fenced(redis_url, monkeypatch)
             await events.publish([_stored(3)], pool, "e1")
         for size in (30_000, 100):  # a transaction past BULK_BYTES, the script below
             with pytest.raises(LeadershipLost):
-                await events.append_many([(b"x" * size, [(0, [4])], None)] * 3, "e1")
+                await events.append_many([(b"x" * size, [(0, [4])], None, {})] * 3, "e1")
         with pytest.raises(LeadershipLost):
             await outputs.send("g", out)
         with pytest.raises(LeadershipLost):

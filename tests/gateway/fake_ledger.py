@@ -23,6 +23,7 @@ from services.wire.messages import (
     OutputBatch,
     RequestOutput,
     RoutingCosts,
+    SharedTierStatus,
     TokenLogprobs,
 )
 
@@ -148,6 +149,8 @@ class FakeLedger:
     scheduling_policy: str = "fcfs"
     max_num_seqs: int = 0  # in its status: 0 says nothing of its batch
     costs: RoutingCosts | None = None
+    num_cpu_blocks: int = 0
+    shared_tier: str | None = None
     metrics: dict[str, float] | None = None
     replica: str = "default"
     requests: list[GenerateRequest] = field(default_factory=list)
@@ -178,7 +181,10 @@ class FakeLedger:
             num_gpu_blocks=100, capacity_line="KV cache size: 1600 tokens", hash_algo="sha256",
             num_workers=self.num_workers, num_running=len(self._answers), metrics=self.metrics,
             scheduling_policy=self.scheduling_policy, max_num_seqs=self.max_num_seqs,
-            costs=self.costs,
+            costs=self.costs, num_cpu_blocks=self.num_cpu_blocks,
+            shared_tier=SharedTierStatus(self.shared_tier, "dir", "REMOTE")
+            if self.shared_tier is not None
+            else None,
         )  # fmt: skip
 
     async def _write_status(self) -> None:

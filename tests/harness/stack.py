@@ -150,6 +150,9 @@ class Stack:
             block_size=self.block_size,
             heartbeat_s=0.3,
             ttl_s=2.0,
+            # The ledger's tiers: the worker measures the CPU tier's load cost at start-up.
+            kv_offloading_size=self.ledger_cfg.kv_offloading_size,
+            kv_transfer_config=self.ledger_cfg.kv_transfer_config,
             **self.worker_kwargs,
         )
         # Named, so that a test can cut this worker's connections alone (CLIENT KILL).

@@ -12,9 +12,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from indexer import create_app
 from indexer.app import REPLICAS
-from ledger.hashing import BlockHasher
+from ledger.hashing import BlockHasher, to_event_hash
+from ledger.offloading.base import offload_key_block_hash
 from services.config import IndexerConfig
 from services.tokenization.load import load_tokenizer
+from tests.engine.test_cpu_tier import SETTINGS as TIER_SETTINGS
+from tests.engine.test_cpu_tier import TIER_GIB
+from tests.engine.test_cpu_tier import workload as tier_workload
 from tests.engine.test_ledger_service import prompts
 from tests.harness.stack import Stack
 
@@ -190,3 +194,68 @@ async def test_a_replica_whose_ledger_dies_goes_out_and_health_follows(redis_url
             assert got["best"] is None
     finally:
         await a.stop()
+
+
+def ledger_tier_blocks(stack: Stack, prompt: list[int]) -> tuple[int, int]:
+    """The ledger's own books: the prompt's leading routable blocks in its prefix cache, then
+    those in a row its CPU tier holds (the connector's ready keys)."""
+    connector = stack.ledger.scheduler.connector
+    assert connector is not None
+    held = {to_event_hash(offload_key_block_hash(k)) for k in connector.manager.ready_keys()}
+    gpu = ledger_hit_blocks(stack, prompt)
+    routable = prompt[: (len(prompt) - 1) // 16 * 16]
+    hashes = [to_event_hash(h) for h in BlockHasher("sha256").hash_blocks(routable, 16)]
+    cpu = 0
+    while gpu + cpu < len(hashes) and hashes[gpu + cpu] in held:
+        cpu += 1
+    return gpu, cpu
+
+
+async def test_score_counts_each_replicas_blocks_per_tier_from_its_cpu_tiers_real_events(
+    redis_url, tiny_model, tmp_path
+):
+    """Replica a has a CPU tier and a GPU pool too small for its documents: after fillers push
+    them off the GPU, /score finds them in its CPU tier (its KV events of medium CPU), as its
+    ledger's books say, and prefers a to b, which would prefill them; a restarted indexer
+    resumes the CPU tier's index from its checkpoint."""
+    a = await Stack(
+        redis_url, tiny_model, kv_offloading_size=TIER_GIB, replica="a", **TIER_SETTINGS
+    ).start()
+    b = await Stack(redis_url, tiny_model, prefix=a.prefix, replica="b", **TIER_SETTINGS).start()
+    try:
+        first, fillers, _ = tier_workload()
+        for phase, batch in (("a", first), ("f", fillers)):
+            for i, prompt in enumerate(batch):
+                await a.submit(f"{phase}{i}", prompt, 4)
+            await a.wait([f"{phase}{i}" for i in range(len(batch))], timeout=120)
+        replicas = {"stream_prefix": a.prefix, "replicas": "a,b"}
+        for restart in range(2):
+            async with indexer_on(redis_url, **replicas, checkpoint_dir=str(tmp_path)) as client:
+                loaded = 0
+                for prompt in first:
+                    got = await scores(client, {"prompt_token_ids": prompt})
+                    on_a, on_b = got["replicas"]["a"], got["replicas"]["b"]
+                    gpu, cpu = ledger_tier_blocks(a, prompt)
+                    assert (on_a["gpu_blocks"], on_a["cpu_blocks"], on_a["shared_blocks"]) == (
+                        gpu, cpu, 0,
+                    )  # fmt: skip
+                    assert on_a["cpu_tokens"] == 16 * cpu and on_a["gpu_tokens"] == 16 * gpu
+                    assert on_a["cached_blocks"] == gpu  # today's field: the GPU's
+                    assert on_a["expected_cached_tokens"] == 16 * (gpu + cpu)
+                    assert (on_b["gpu_blocks"], on_b["cpu_blocks"]) == (0, 0)
+                    assert on_b["tier_cost"] == 0 and (on_a["tier_cost"] > 0) == (cpu > 0)
+                    assert gpu + cpu == 4 and got["best"] == "a"
+                    loaded += cpu
+                assert loaded > 0  # the fillers pushed some document off the GPU
+                # Cached nowhere, on no tier: no best.
+                fresh = await scores(client, {"prompt_token_ids": prompts(1, 72, seed=99)[0]})
+                assert fresh["best"] is None
+                assert all(r["cpu_blocks"] == 0 for r in fresh["replicas"].values())
+                report = (await (await client.get("/health")).json())["replicas"]
+                assert report["a"]["cpu_hashes"] == len(
+                    a.ledger.scheduler.connector.manager.ready_keys()  # type: ignore[union-attr]
+                )
+                assert report["a"]["bootstraps"] == (1 - restart)  # then resumed
+    finally:
+        await a.stop()
+        await b.stop()

@@ -42,10 +42,17 @@ class Batches:
     """Random store/remove batches, now and then a clear; byte hashes as vLLM's sha256 gives
     when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0."""
 
-    def __init__(self, seed: int, byte_hashes: bool = False) -> None:
+    def __init__(self, seed: int, byte_hashes: bool = False, cpu: bool = False) -> None:
         self.rng, self.byte_hashes, self.stored = random.Random(seed), byte_hashes, []
+        self.cpu, self.on_cpu = cpu, []  # with `cpu`, vLLM's CPU tier's events too
 
     def event(self):
+        if self.cpu and self.rng.random() < 0.3:
+            if self.on_cpu and self.rng.random() < 0.4:
+                removed = [self.on_cpu.pop(self.rng.randrange(len(self.on_cpu)))]
+                return BlockRemoved(block_hashes=removed, medium="CPU", group_idx=0)
+            self.on_cpu.append(self.rng.getrandbits(64))
+            return BlockStored([self.on_cpu[-1]], None, [], 0, None, "CPU", None, group_idx=0)
         if self.rng.random() < 0.4 and self.stored:
             n = min(len(self.stored), self.rng.randint(1, 3))
             removed = [self.stored.pop(self.rng.randrange(len(self.stored))) for _ in range(n)]
@@ -61,18 +68,22 @@ class Batches:
         batch = [self.event() for _ in range(events)]
         if clear:  # the publisher's own clear, mid-batch
             self.stored.clear()
+            self.on_cpu.clear()
             batch.insert(2, AllBlocksCleared())
         return encode_batch(KVEventBatch(time.time(), batch))
 
 
-def direct_index(payloads: list[bytes]) -> dict[int, int]:
-    """The index built from the batches themselves, event by event (byte hashes turned into
-    ints by vLLM's own rule: int.from_bytes(digest, "big") & (2**64 - 1))."""
+def direct_index(payloads: list[bytes], medium: str = "GPU") -> dict[int, int]:
+    """The index of one medium built from the batches themselves, event by event (byte hashes
+    turned into ints by vLLM's own rule: int.from_bytes(digest, "big") & (2**64 - 1)); a clear
+    clears every medium."""
     counts: dict[int, int] = {}
     for payload in payloads:
         for event in decode_batch(payload).events:
             if isinstance(event, AllBlocksCleared):
                 counts.clear()
+                continue
+            if (event.medium or "GPU") != medium:
                 continue
             for h in event.block_hashes:
                 key = h if isinstance(h, int) else int.from_bytes(h, "big") & (2**64 - 1)
@@ -169,12 +180,14 @@ class Running:
             await asyncio.sleep(0.02)
 
 
-async def subscriber_index(r, prefix: str, mode: str = "snapshot") -> dict[int, int]:
+async def subscriber_index(
+    r, prefix: str, mode: str = "snapshot", medium: str = "GPU"
+) -> dict[int, int]:
     sub = KVEventSubscriber(r, prefix, replica="vllm-0")
     await sub.start(mode)
     while await sub.poll(block_ms=None):
         pass
-    return dict(sub.index.counts)
+    return dict(sub.index.counts if medium == "GPU" else sub.index.tier(medium))
 
 
 async def forwarded(r, prefix: str) -> list[tuple[int | None, bytes]]:
@@ -254,7 +267,7 @@ async def test_a_restarted_publisher_resets_the_replicas_view(redis_url, env):
 
 async def test_a_killed_bridge_resumes_without_a_lost_or_repeated_batch(redis_url, env):
     r, prefix, publisher = env
-    batches = Batches(seed=3)
+    batches = Batches(seed=3, cpu=True)  # a vLLM server with a CPU tier
     running = await Running(Bridge(bridge_config(redis_url, prefix, publisher), r)).ready()
     for _ in range(30):
         publisher.publish(batches.payload())
@@ -278,6 +291,12 @@ async def test_a_killed_bridge_resumes_without_a_lost_or_repeated_batch(redis_ur
         await asyncio.sleep(0.05)
         assert await subscriber_index(r, prefix, "snapshot") == expected
         assert dict(resumed.bridge.events.counts) == expected  # the mirror rebuilt
+        # The CPU tier's blocks too: in the stream's `tiers`, the snapshot and the mirror.
+        on_cpu = direct_index(publisher.sent, "CPU")
+        assert len(on_cpu) > 5
+        assert await subscriber_index(r, prefix, "start", "CPU") == on_cpu
+        assert await subscriber_index(r, prefix, "snapshot", "CPU") == on_cpu
+        assert resumed.bridge.events.tier_counts.get("CPU") == on_cpu
     finally:
         await resumed.stop()
 

@@ -15,6 +15,7 @@ import redis
 
 from ledger.events import BlockStored, KVEventBatch, encode_batch
 from ledger.hashing import BlockHasher, resolve_none_hash_seed, to_event_hash
+from ledger.offloading.base import num_cpu_chunks
 from services.transport.keys import StreamNames
 from services.transport.redis_server import RedisServer
 
@@ -89,3 +90,30 @@ def test_events_without_a_replica_names_the_replicas_there(redis_url):
     assert "--replica" in done.stderr and "default, r0, r1" in done.stderr
     followed = kvledger("events", "--redis-url", redis_url, "--replica", "r1", "--count", "1")
     assert followed.returncode == 0 and "BlockStored" in followed.stdout
+
+
+def test_capacity_prints_each_tiers_size_in_blocks_and_tokens_as_the_ledger_sizes_them():
+    """Llama-3.2-1B's block (16 layers, 8 KV heads of 64, bfloat16: 512 KiB): the GPU line as
+    before, then the CPU tier as the ledger counts its chunks (vLLM's: the budget over one page-
+    padded block of every worker) and the shared tier's budget over a block's bytes."""
+    shape = ["--layers", "16", "--kv-heads", "8", "--head-dim", "64", "--dtype", "bfloat16",
+             "--kv-cache-memory", "20GiB", "--max-model-len", "8192"]  # fmt: skip
+    done = kvledger("capacity", *shape, "--kv-offloading-size", "0.75", "--shared-tier-size",
+                    "1TiB")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith("GPU KV cache size: 655,360 tokens")
+    chunks = num_cpu_chunks(0.75 * 2**30, 524_288)
+    assert chunks == 1536
+    assert lines[2] == "CPU tier: 1,536 blocks, 24,576 tokens, 0.75 GiB"
+    assert lines[3] == "Shared tier: 2,097,152 blocks, 33,554,432 tokens, 1024 GiB"
+    # Without the tiers' flags, the GPU's line alone, as before.
+    assert len(kvledger("capacity", *shape).stdout.splitlines()) == 2
+    # Under tensor parallelism each worker's share is padded to whole pages: a 3-way split of
+    # 524,288 bytes is 174,763 each, 176,128 padded, so 3 shares take 528,384 bytes.
+    tp = kvledger("capacity", *shape, "--kv-offloading-size", "0.75", "--tensor-parallel-size", "3")
+    assert tp.stdout.splitlines()[2].startswith(
+        f"CPU tier: {num_cpu_chunks(0.75 * 2**30, 174_763, 3):,} blocks"
+    )
+    bad = kvledger("capacity", *shape, "--kv-offloading-size", "0")
+    assert bad.returncode == 2 and "a size in GiB greater than 0" in bad.stderr

@@ -95,7 +95,7 @@ def test_up_refuses_a_bad_tier_before_starting_anything(monkeypatch):
     check_offloading(args)
 
 
-def test_up_hands_the_tier_to_the_ledger_alone():
+def test_up_hands_the_tier_to_the_ledger_and_the_worker():
     from kvledger import launcher
 
     parser = argparse.ArgumentParser()
@@ -105,4 +105,6 @@ def test_up_hands_the_tier_to_the_ledger_alone():
     assert launcher.role_flags(args, "ledger") == [
         "--kv-offloading-size", "2", "--kv-transfer-config", text,
     ]  # fmt: skip
-    assert launcher.role_flags(args, "worker") == launcher.role_flags(args, "gateway") == []
+    # The worker measures what a load from the tier costs when it is on (its hello).
+    assert launcher.role_flags(args, "worker") == launcher.role_flags(args, "ledger")
+    assert launcher.role_flags(args, "gateway") == []

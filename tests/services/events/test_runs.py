@@ -22,9 +22,23 @@ from ledger.events import (
     decode_batch,
     encode_batch,
 )
-from services.events.runs import HASHES_FIELD, batch_runs, decode_runs, encode_runs
+from services.events.runs import (
+    HASHES_FIELD,
+    TIERS_FIELD,
+    batch_runs,
+    batch_tier_runs,
+    decode_runs,
+    decode_tier_runs,
+    encode_runs,
+    encode_tier_runs,
+)
 from services.events.snapshot import CLEARED, REMOVED, STORED, OpLog, pack_ops
-from services.events.subscriber import KVEventSubscriber, PrefixIndex, batch_hash_runs
+from services.events.subscriber import (
+    KVEventSubscriber,
+    PrefixIndex,
+    batch_hash_runs,
+    batch_runs_by_tier,
+)
 from services.transport.keys import StreamNames
 from services.transport.redis_streams import connect
 from tests.ledger.test_events import VLLM_SCENARIO_BATCH
@@ -66,9 +80,62 @@ def test_runs_apply_what_the_events_do_in_their_order():
         events_ops, runs_ops = OpLog(), OpLog()
         by_events.apply(KVEventBatch(1.0, events), events_ops)
         by_runs.apply_runs(decode_runs(encode_runs(batch_runs(events))), runs_ops)
+        by_runs.apply_tier_runs(
+            decode_tier_runs(encode_tier_runs(batch_tier_runs(events))), runs_ops
+        )
         assert by_runs.counts == by_events.counts
+        assert _held(by_runs.tiers) == _held(by_events.tiers)
         # The checkpoint logs the same operations either way.
         assert pack_ops(runs_ops) == pack_ops(events_ops)
+        # The bridge's runs, from vLLM's bytes, are the ledger's.
+        assert batch_runs_by_tier(encode_batch(KVEventBatch(1.0, events))) == (
+            batch_runs(events),
+            batch_tier_runs(events),
+        )
+
+
+def _held(tiers: dict[str, dict[int, int]]) -> dict[str, dict[int, int]]:
+    return {medium: counts for medium, counts in tiers.items() if counts}
+
+
+def test_a_polls_logged_operations_replay_to_the_same_tiers():
+    """A checkpoint logs a whole poll's GPU operations, then each tier's: a clear in a later
+    entry must still clear what the tier stored in an earlier one."""
+    rng = random.Random(11)
+    for _ in range(100):
+        live, by_events = PrefixIndex(), PrefixIndex()
+        runs_ops, events_ops = OpLog(), OpLog()
+        for _ in range(rng.randint(1, 6)):  # the entries of one poll
+            events = random_events(rng, rng.randint(1, 6))
+            live.apply_runs(batch_runs(events), runs_ops)
+            live.apply_tier_runs(batch_tier_runs(events), runs_ops)
+            by_events.apply(KVEventBatch(1.0, events), events_ops)
+        for ops in (runs_ops, events_ops):
+            replayed = PrefixIndex()
+            replayed.apply_ops(pack_ops(ops))
+            assert replayed.counts == live.counts == by_events.counts
+            assert _held(replayed.tiers) == _held(live.tiers) == _held(by_events.tiers)
+
+
+def test_the_tier_runs_repeat_the_clears_after_a_mediums_first_event():
+    events = [
+        AllBlocksCleared(),  # before any CPU event: the GPU's clear clears the tiers
+        stored_on_cpu(1),
+        stored_on_cpu(2),
+        BlockRemoved([1], "CPU", group_idx=0),
+        AllBlocksCleared(),
+        stored_on_cpu(3),
+        stored(9),
+    ]
+    assert batch_tier_runs(events) == {
+        "CPU": [(STORED, [1, 2]), (REMOVED, [1]), (CLEARED, []), (STORED, [3])]
+    }
+    assert batch_tier_runs([stored(1), BlockRemoved([1], "GPU")]) == {}
+    index = PrefixIndex()
+    index.tiers = {"CPU": {7: 1}}
+    index.apply_runs(batch_runs(events))
+    index.apply_tier_runs(batch_tier_runs(events))
+    assert index.tiers == {"CPU": {3: 1}} and index.counts == {9: 1}
 
 
 def test_the_cpu_tiers_events_leave_the_gpu_index_alone():
@@ -80,6 +147,9 @@ def test_the_cpu_tiers_events_leave_the_gpu_index_alone():
     by_bytes.apply_bytes(data)
     by_batch.apply(decode_batch(data))
     assert by_bytes.counts == by_batch.counts == {1: 1, 2: 1, 3: 1}
+    # ... and go to the CPU tier's own index.
+    assert by_bytes.tiers == by_batch.tiers == {"CPU": {3: 1}}
+    assert by_bytes.tier_blocks("CPU", [1, 3, 4], 1) == 1
 
 
 def test_runs_merge_consecutive_events_of_a_kind_and_keep_clears_apart():
@@ -135,6 +205,63 @@ async def test_published_entries_keep_vllms_bytes_and_add_the_runs(redis_url, mo
         await r.aclose()
 
 
+async def test_the_cpu_tiers_events_go_to_the_tiers_field_the_mirror_and_the_snapshot(
+    redis_url, tmp_path
+):
+    r = connect(redis_url)
+    streams = StreamNames(f"h{uuid.uuid4().hex[:8]}")
+    stream = event_stream.KVEventStream(r, streams, max_bytes=10**7, snapshot_interval_s=1e9,
+                                        block_size=16, hash_algo="sha256")  # fmt: skip
+    stream._last_snapshot_start = time.monotonic()
+    pool = BlockPool(4, enable_caching=True)
+    try:
+        await stream.publish([AllBlocksCleared()], pool, "e")
+        await stream.publish([stored(1, 2), stored_on_cpu(1), stored_on_cpu(2)], pool, "e")
+        await stream.publish([BlockRemoved([1], "GPU")], pool, "e")  # no CPU event: no field
+        entries = await r.xrange(streams.events)
+        assert [TIERS_FIELD in fields for _, fields in entries] == [False, True, False]
+        assert decode_tier_runs(entries[1][1][TIERS_FIELD]) == {"CPU": [(STORED, [1, 2])]}
+        assert stream.tier_counts == {"CPU": {1: 1, 2: 1}}
+        follower = KVEventSubscriber(r, streams.prefix, checkpoint=tmp_path / "f.ckpt")
+        await follower.start("start")
+        await follower.poll(block_ms=None)
+        await stream.write_snapshot(None, "e")
+        late = KVEventSubscriber(r, streams.prefix)
+        await late.start("snapshot")
+        for sub in (follower, late):
+            assert sub.index.counts == {2: 1} and sub.index.tiers == {"CPU": {1: 1, 2: 1}}
+        # The tier evicts one; a new epoch clears them all, the tier with the GPU.
+        await stream.publish([BlockRemoved([2], "CPU", group_idx=0)], pool, "e")
+        await follower.poll(block_ms=None)
+        assert follower.index.tiers == {"CPU": {1: 1}} == stream.tier_counts
+        await stream.publish([AllBlocksCleared()], pool, "e")
+        await follower.poll(block_ms=None)
+        assert follower.index.tiers == {} and stream.tier_counts == {"CPU": {}}
+        resumed = KVEventSubscriber(r, streams.prefix, checkpoint=tmp_path / "f.ckpt")
+        await resumed.start("snapshot")
+        assert resumed.index.tiers == {} and resumed.last_id == follower.last_id
+    finally:
+        await r.delete(streams.events, streams.events_snapshot)
+        await r.aclose()
+
+
+async def test_a_malformed_tiers_field_is_read_from_batch(redis_url):
+    r = connect(redis_url)
+    streams = StreamNames(f"h{uuid.uuid4().hex[:8]}")
+    try:
+        events = [stored(1), stored_on_cpu(1)]
+        await r.xadd(streams.events, {b"batch": encode_batch(KVEventBatch(1.0, events)),
+                                      HASHES_FIELD: encode_runs(batch_runs(events)),
+                                      TIERS_FIELD: msgpack.packb({"CPU": [[5, [1]]]})})  # fmt: skip
+        sub = KVEventSubscriber(r, streams.prefix)
+        assert await sub.poll(block_ms=None) == 1
+        assert sub.hashes_refused == 1
+        assert sub.index.counts == {1: 1} and sub.index.tiers == {"CPU": {1: 1}}
+    finally:
+        await r.delete(streams.events)
+        await r.aclose()
+
+
 async def test_a_subscriber_reads_entries_with_without_and_with_a_malformed_hashes_field(
     redis_url,
 ):
@@ -181,11 +308,11 @@ async def test_a_backlog_read_page_ahead_applies_every_entry_once_in_order(
         for _ in range(10):
             events = random_events(rng, 4)
             expected.apply(KVEventBatch(1.0, events))
-            await r.xadd(
-                streams.events,
-                {b"batch": encode_batch(KVEventBatch(1.0, events)),
-                 HASHES_FIELD: encode_runs(batch_runs(events))},
-            )  # fmt: skip
+            fields = {b"batch": encode_batch(KVEventBatch(1.0, events)),
+                      HASHES_FIELD: encode_runs(batch_runs(events))}  # fmt: skip
+            if tiers := batch_tier_runs(events):
+                fields[TIERS_FIELD] = encode_tier_runs(tiers)
+            await r.xadd(streams.events, fields)
         sub = KVEventSubscriber(r, streams.prefix, checkpoint=tmp_path / "sub.ckpt")
         await sub.start("start")
         pages = []
@@ -193,9 +320,12 @@ async def test_a_backlog_read_page_ahead_applies_every_entry_once_in_order(
             pages.append(got)
         assert sum(pages) == 10 and sub._ahead is None
         assert sub.index.counts == expected.counts
+        assert _held(sub.index.tiers) == _held(expected.tiers)
         resumed = KVEventSubscriber(r, streams.prefix, checkpoint=tmp_path / "sub.ckpt")
         await resumed.start("start")
         assert resumed.last_id == sub.last_id and resumed.index.counts == expected.counts
+        # The CPU tier's index resumes from the checkpoint too.
+        assert _held(resumed.index.tiers) == _held(expected.tiers)
     finally:
         await r.delete(streams.events)
         await r.aclose()

@@ -15,8 +15,14 @@ import engine.event_stream as event_stream
 from ledger.block_pool import BlockPool
 from ledger.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from ledger.events import encode_batch as encode
-from services.events.runs import batch_runs
-from services.events.snapshot import CheckpointWriter, OpLog, decode_snapshot, snapshot_counts
+from services.events.runs import batch_runs, batch_tier_runs
+from services.events.snapshot import (
+    CheckpointWriter,
+    OpLog,
+    decode_snapshot,
+    snapshot_counts,
+    snapshot_tier_counts,
+)
 from services.transport.keys import StreamNames
 
 
@@ -49,7 +55,7 @@ async def test_a_background_snapshot_is_the_state_of_its_entry_while_events_keep
         await asyncio.sleep(0)  # the snapshot has frozen the mirror and packed two entries
         # What publish() does once its XADD returns (awaiting a real XADD would let the packing
         # finish first): the changes go to the overlay while the mirror is being read.
-        assert stream._overlay is not None
+        assert stream._frozen
         stream._apply(batch_runs([BlockRemoved([5], "GPU"), stored(6)]))
         stream._apply(batch_runs([BlockRemoved([1], "GPU")]))
         await stream._snapshot_task
@@ -69,6 +75,59 @@ async def test_a_background_snapshot_is_the_state_of_its_entry_while_events_keep
     finally:
         await r.delete(streams.events, streams.events_snapshot)
         await r.aclose()
+
+
+def on_cpu(*hashes: int) -> list[BlockStored]:
+    return [BlockStored([h], None, [], 0, None, "CPU", None, group_idx=0) for h in hashes]
+
+
+async def test_a_background_snapshot_holds_the_cpu_tier_as_of_its_entry(redis_url, monkeypatch):
+    monkeypatch.setattr(event_stream, "SNAPSHOT_CHUNK", 2)
+    r = aioredis.from_url(redis_url)
+    streams = StreamNames(f"t{uuid.uuid4().hex[:8]}")
+    stream = event_stream.KVEventStream(r, streams, max_bytes=10_000_000,
+                                        snapshot_interval_s=3600, block_size=16,
+                                        hash_algo="sha256")  # fmt: skip
+    try:
+        pool = BlockPool(8, enable_caching=True)
+        await stream.publish([stored(1), *on_cpu(1, 2, 3, 4, 5)], pool, "e")
+        await stream._snapshot_task
+        assert snapshot_tier_counts(decode_snapshot(await r.get(streams.events_snapshot))) == {
+            "CPU": dict.fromkeys([1, 2, 3, 4, 5], 1)
+        }
+        stream._snapshot_task = asyncio.create_task(stream._snapshot_in_background("e"))
+        await asyncio.sleep(0)  # frozen, partly packed
+        events = [BlockRemoved([1, 2], "CPU", group_idx=0), *on_cpu(6)]
+        stream._apply(batch_runs(events), batch_tier_runs(events))
+        await stream._snapshot_task
+        snapshot = decode_snapshot(await r.get(streams.events_snapshot))
+        assert snapshot_tier_counts(snapshot) == {"CPU": dict.fromkeys([1, 2, 3, 4, 5], 1)}
+        assert stream.tier_counts == {"CPU": dict.fromkeys([3, 4, 5, 6], 1)}
+        stream._snapshot_task = asyncio.create_task(stream._snapshot_in_background("e"))
+        await asyncio.sleep(0)
+        events = [*on_cpu(7), AllBlocksCleared(), *on_cpu(8)]  # a clear clears the tier too
+        stream._apply(batch_runs(events), batch_tier_runs(events))
+        await stream._snapshot_task
+        assert stream.tier_counts == {"CPU": {8: 1}} and stream.counts == {}
+    finally:
+        await r.delete(streams.events, streams.events_snapshot)
+        await r.aclose()
+
+
+def test_a_checkpoint_keeps_the_tiers_in_its_base_and_its_log(tmp_path):
+    writer = CheckpointWriter(tmp_path / "sub.ckpt", min_compact_bytes=10**9)
+    writer.compact("1-0", {1: 1}, {"CPU": {5: 1, 6: 2}})
+    ops = OpLog()
+    ops.tier("CPU").add(0, [7])
+    ops.add(2, [])  # a clear: the tier's log repeats it
+    ops.tier("CPU").add(0, [8])
+    writer.append_ops("2-0", ops, {}, {"CPU": {8: 1}})
+    reader = CheckpointWriter(tmp_path / "sub.ckpt")
+    last_id, counts, logged = reader.load()
+    assert (last_id, counts, reader.loaded_tiers) == ("1-0", {1: 1}, {"CPU": {5: 1, 6: 2}})
+    [(entry_id, record)] = logged
+    assert entry_id == "2-0" and list(record.runs()) == [(2, [])]
+    assert record.tier_runs() == {"CPU": [(0, [7]), (2, []), (0, [8])]}
 
 
 def batch(*events) -> bytes:

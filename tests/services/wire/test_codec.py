@@ -7,14 +7,20 @@ import pytest
 
 from services.wire.codec import WIRE_VERSION, WireError, decode, encode
 from services.wire.messages import (
+    TIER_CPU,
+    TIER_SHARED,
     KVTransfer,
     KVTransfers,
+    LedgerStatus,
     NewRequestData,
     OutputBatch,
     RequestOutput,
+    RoutingCosts,
     SamplingParams,
+    SharedTierStatus,
     StepMessage,
     StepResult,
+    WorkerHello,
 )
 
 
@@ -142,3 +148,34 @@ def test_a_step_carries_the_cpu_tiers_copies_and_older_messages_still_decode():
     bad["kv_transfers"]["loads"][0][1] = "x"
     with pytest.raises(WireError, match=r"field 'kv_transfers.loads\[0\]\[1\]'"):
         decode(msgpack.packb(bad), StepMessage)
+
+
+def test_the_tiers_load_costs_travel_in_the_hello_and_the_status_and_older_ones_decode():
+    hello = WorkerHello(
+        worker_id="w0", group="default", num_gpu_blocks=64, block_size=16, bytes_per_block=32768,
+        available_kv_bytes=1 << 21, model_name="m", max_model_len=256, vocab_size=258,
+        device="cpu", started_at=1.0, load_s_per_block={TIER_CPU: 4.5e-5},
+    )  # fmt: skip
+    assert decode(encode(hello), WorkerHello).load_s_per_block == {TIER_CPU: 4.5e-5}
+    old = raw(hello)
+    del old["load_s_per_block"]  # a worker of an earlier release
+    assert decode(msgpack.packb(old), WorkerHello).load_s_per_block is None
+    status = LedgerStatus(
+        epoch="e.1", started_at=1.0, updated_at=2.0, model_name="m", max_model_len=256,
+        vocab_size=258, block_size=16, num_gpu_blocks=63, capacity_line="", hash_algo="sha256",
+        num_workers=1, num_cpu_blocks=32,
+        shared_tier=SharedTierStatus("fleet-a", "dir", "REMOTE", blocks=7, max_bytes=1 << 30),
+        costs=RoutingCosts(prefill_tokens_per_s=2000.0,
+                           load_s_per_block={TIER_CPU: 4.5e-5, TIER_SHARED: 2e-3}),
+    )  # fmt: skip
+    back = decode(encode(status), LedgerStatus)
+    assert back.costs is not None
+    assert back.costs.load_s_per_block == {TIER_CPU: 4.5e-5, TIER_SHARED: 2e-3}
+    assert back.num_cpu_blocks == 32 and back.shared_tier == status.shared_tier
+    old = raw(status)
+    for name in ("num_cpu_blocks", "shared_tier"):
+        del old[name]
+    del old["costs"]["load_s_per_block"]  # a ledger of an earlier release
+    back = decode(msgpack.packb(old), LedgerStatus)
+    assert back.costs is not None and back.costs.load_s_per_block is None
+    assert (back.num_cpu_blocks, back.shared_tier) == (0, None)
