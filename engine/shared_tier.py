@@ -159,4 +159,5 @@ class SharedTierShell:
             bytes=size,
             max_bytes=self.max_bytes,
             indexed_blocks=len(self.manager.index),
+            own_server=self.owns_connection,
         )

@@ -38,7 +38,6 @@ from services.routing.policy import (
     RouteDecision,
     Router,
     RouteRequest,
-    SharedTier,
     routable_block_hashes,
 )
 from services.routing.replicas import ReplicaSet, parse_replicas
@@ -222,9 +221,9 @@ class Replicas(GatewayRouting):
         # (theirs cannot be read from a server); a replica whose status says otherwise is out.
         self.hashing = (config.hash_algo, config.block_size) if upstreams is not None else None
         self._out_logged: dict[str, str] = {}
-        # The shared tiers this gateway can see into, by namespace (a catalog follower each):
-        # a replica whose status names one is scored on what it holds too.
-        self.shared_tiers: dict[str, SharedTier] = {}
+        # The shared tiers this gateway can see into, by namespace (a catalog follower each,
+        # started when a replica's status names one): such a replica is scored on them too.
+        self.shared_tiers = self.replica_set.shared_tiers
         self.router = Router(
             config.routing,
             list(replicas),

@@ -37,10 +37,10 @@ from services.routing.policy import (
     ReplicaHealth,
     Router,
     RouteRequest,
-    SharedTier,
 )
 from services.routing.replicas import ReplicaSet, parse_replicas
 from services.routing.shared import SharedPending
+from services.tiers.view import SharedTierViews
 from services.tokenization.load import load_tokenizer
 from services.tokenization.tokenizer import Tokenizer
 from services.transport import redis_streams
@@ -51,7 +51,7 @@ log = get_logger("indexer")
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 ROUTER = web.AppKey("router", Router)
 # The shared tiers the indexer sees into, by namespace (a catalog follower each).
-SHARED_TIERS = web.AppKey("shared_tiers", dict[str, SharedTier])
+SHARED_TIERS = web.AppKey("shared_tiers", SharedTierViews)
 SHARED = web.AppKey("shared", SharedPending)
 TOKENIZER = web.AppKey("tokenizer", Tokenizer)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -71,7 +71,7 @@ def create_app(config: IndexerConfig, redis: aioredis.Redis | None = None) -> we
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
     app[REPLICAS] = replica_set
     # The gateway's precise policy and measured costs, asked to score, never to route.
-    shared_tiers: dict[str, SharedTier] = {}
+    shared_tiers = replica_set.shared_tiers  # each catalog followed once a status names it
     app[SHARED_TIERS] = shared_tiers
     app[ROUTER] = Router(
         Precise(replica_set.cached_blocks, replica_set.cpu_blocks, shared_tiers),

@@ -29,6 +29,7 @@ from ledger.step_costs import StepCosts
 from services.events.subscriber import KVEventSubscriber
 from services.routing.costs import EvictionView
 from services.routing.policy import HealthLimits, ReplicaHealth, ReplicaLoad, routable_block_hashes
+from services.tiers.view import SharedTierViews
 from services.transport.keys import StreamNames
 from services.wire import codec
 from services.wire.messages import EvictionHead, LedgerStatus
@@ -116,6 +117,9 @@ class ReplicaSet:
             for name, streams in replicas
         }
         self._hashers: dict[str, BlockHasher] = {}
+        # The shared tiers the replicas' statuses name, each catalog followed once seen.
+        prefixes = {streams.prefix for _, streams in replicas}
+        self.shared_tiers = SharedTierViews(r, next(iter(prefixes)))
         self._tasks: list[asyncio.Task] = []
         self.started_at: float | None = None  # monotonic, when following began
 
@@ -135,6 +139,7 @@ class ReplicaSet:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        await self.shared_tiers.stop()
 
     async def wait_caught_up(self, timeout_s: float = 10.0) -> None:
         """Until every replica's follower has read to the end of its stream once after now."""
@@ -271,6 +276,9 @@ class ReplicaSet:
             state.load = load_of(status)  # read 4 times per write: built once per write
         state.load.eviction = view
         state.status = status
+        shared = status.shared_tier
+        if shared is not None and not shared.own_server:
+            self.shared_tiers.ensure(shared.namespace)
 
 
 def load_of(status: LedgerStatus) -> ReplicaLoad:

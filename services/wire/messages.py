@@ -360,6 +360,9 @@ class SharedTierStatus(Record):
     bytes: int = 0
     max_bytes: int = 0
     indexed_blocks: int = 0  # what this ledger's index holds of it
+    # On a Redis server of its own (redis:URL), whose address is not published: routers that
+    # follow the replicas' Redis cannot see its catalog.
+    own_server: bool = False
 
 
 class LedgerStatus(Message, tag="ledger_status"):

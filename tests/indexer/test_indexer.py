@@ -14,7 +14,7 @@ from indexer import create_app
 from indexer.app import REPLICAS
 from ledger.hashing import BlockHasher, to_event_hash
 from ledger.offloading.base import offload_key_block_hash
-from services.config import IndexerConfig
+from services.config import IndexerConfig, SharedTierSpec
 from services.tokenization.load import load_tokenizer
 from tests.engine.test_cpu_tier import SETTINGS as TIER_SETTINGS
 from tests.engine.test_cpu_tier import TIER_GIB
@@ -259,3 +259,42 @@ async def test_score_counts_each_replicas_blocks_per_tier_from_its_cpu_tiers_rea
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_score_finds_another_replicas_blocks_in_the_shared_tier(
+    redis_url, tiny_model, tmp_path
+):
+    """Replicas a and b behind one shared tier: what a computed, /score finds on b too (loads
+    from the shared tier, priced), following the catalog b's status names; a prompt that no
+    replica computed is in no tier."""
+    spec = SharedTierSpec("dir", path=str(tmp_path / "kv"))
+    shared = {"kv_offloading_size": TIER_GIB, "kv_shared_tier": spec, **TIER_SETTINGS}
+    a = await Stack(redis_url, tiny_model, replica="a", **shared).start()
+    b = await Stack(redis_url, tiny_model, prefix=a.prefix, replica="b", **shared).start()
+    try:
+        docs = [p + t for p, t in zip(prompts(2, 64, seed=31), prompts(2, 8, seed=32), strict=True)]
+        for i, prompt in enumerate(docs):
+            await a.submit(f"a{i}", prompt, 4)
+        await a.wait(["a0", "a1"], timeout=60)
+        manager = a.ledger.scheduler.connector.manager  # the TieringManager
+        for _ in range(200):
+            if manager.stats.cascades == 8:
+                break
+            await asyncio.sleep(0.05)
+        async with indexer_on(redis_url, stream_prefix=a.prefix, replicas="a,b") as client:
+            for _ in range(100):  # the catalog is followed once a status names it
+                got = await scores(client, {"prompt_token_ids": docs[0]})
+                if got["replicas"]["b"]["shared_blocks"] == 4:
+                    break
+                await asyncio.sleep(0.1)
+            on_a, on_b = got["replicas"]["a"], got["replicas"]["b"]
+            assert (on_b["gpu_blocks"], on_b["cpu_blocks"], on_b["shared_blocks"]) == (0, 0, 4)
+            assert on_b["shared_tokens"] == 64 and on_b["tier_cost"] > 0
+            assert on_b["expected_cached_tokens"] == 64  # loads count as cached, as vLLM's
+            assert on_a["gpu_blocks"] + on_a["cpu_blocks"] + on_a["shared_blocks"] == 4
+            fresh = await scores(client, {"prompt_token_ids": prompts(1, 72, seed=99)[0]})
+            assert all(r["shared_blocks"] == 0 for r in fresh["replicas"].values())
+            assert fresh["best"] is None
+    finally:
+        await b.stop()
+        await a.stop()
