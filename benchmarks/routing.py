@@ -220,14 +220,31 @@ def main_real_trace(args: argparse.Namespace) -> None:
     if "precise" in args.policies.split(",") and args.real_gateways > 1:
         variants.append((f"precise, {args.real_gateways} gateways", "precise",
                          dataclasses.replace(config, gateways=args.real_gateways)))  # fmt: skip
+    kill_at = args.real_kill_gateway_after
+    killed_label = f"precise, {args.real_gateways} gateways, one killed at {kill_at}"
+    if kill_at is not None:
+        variants.append((killed_label, "precise",
+                         dataclasses.replace(config, gateways=args.real_gateways)))  # fmt: skip
     runs: dict[str, list[dict[str, object]]] = {label: [] for label, _, _ in variants}
     for repetition in range(args.repetitions):
         shift = repetition % len(variants)
         for label, policy, cfg in variants[shift:] + variants[:shift]:
             started = time.perf_counter()
-            run, _ = run_policy(cfg, turns, policy, repetition,
-                                closed_loop=args.trace_concurrency)  # fmt: skip
+            run, _ = run_policy(
+                cfg, turns, policy, repetition, closed_loop=args.trace_concurrency,
+                kill_gateway_after=kill_at if label == killed_label else None,
+            )  # fmt: skip
             row = run.row()
+            if kill_at is not None and label.startswith(f"precise, {args.real_gateways} gateways"):
+                # The requests sent once the kill's in-flight ones were out: their hit rate,
+                # the same window in the run without a kill beside it.
+                after = {t.request_id for t in turns[kill_at + args.trace_concurrency :]}
+                sent = [s for s in run.sent if s.request_id in after and s.error is None]
+                row["after_kill_hit_rate"] = round(
+                    sum(s.cached_tokens for s in sent) / max(sum(s.prompt_tokens for s in sent), 1),
+                    4,
+                )
+                row["after_kill_requests"] = len(sent)
             runs[label].append(row)
             print(f"{label:>22} rep {repetition}: {row}  ({time.perf_counter() - started:.0f} s)",
                   flush=True)  # fmt: skip
@@ -235,7 +252,9 @@ def main_real_trace(args: argparse.Namespace) -> None:
     for label, rows in runs.items():
         row: dict[str, object] = {"variant": label, "runs": len(rows)}
         for key in ("hit_rate", "prefill_tokens", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s",
-                    "errors"):  # fmt: skip
+                    "errors", "after_kill_hit_rate"):  # fmt: skip
+            if any(key not in r for r in rows):
+                continue
             values = sorted(float(r[key]) for r in rows)  # type: ignore[arg-type]
             row[key] = round(statistics.median(values), 4)
             if key == "hit_rate":
@@ -528,6 +547,9 @@ def main() -> None:
     parser.add_argument("--real-replicas", type=int, default=4)
     parser.add_argument("--real-blocks", type=int, default=400,
                         help="KV blocks per replica (0: the default cache, as `kvledger up`)")  # fmt: skip
+    parser.add_argument("--real-kill-gateway-after", type=int, default=None,
+                        help="with --workload trace --real: also run the several gateways with "
+                             "the first killed (SIGKILL) as this request is sent")  # fmt: skip
     parser.add_argument("--real-gateways", type=int, default=3,
                         help="the trace's several-gateway run (precise)")  # fmt: skip
     parser.add_argument("--real-conversations", type=int, default=130)

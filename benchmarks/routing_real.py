@@ -362,20 +362,34 @@ async def replay(
 
 
 async def replay_closed(
-    stack: Stack, turns: Sequence[Turn], run: RealRun, concurrency: int
+    stack: Stack,
+    turns: Sequence[Turn],
+    run: RealRun,
+    concurrency: int,
+    kill_gateway_after: int | None = None,
 ) -> None:
     """The requests in order, `concurrency` in flight: the next is sent as one ends, to the
-    next gateway in turn (several gateways: as a load balancer in front of them would)."""
+    next gateway in turn (several gateways: as a load balancer in front of them would). With
+    `kill_gateway_after` N, the first gateway is killed (SIGKILL) as request N is sent, and
+    the rest go to the others (its requests in flight fail: their clients' connections go with
+    it); `run.killed_at` is the index."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=stack.config.request_timeout_s + 60)
     order = iter(range(len(turns)))
+    urls = list(stack.urls)
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         async def client() -> None:
             for i in order:
-                await _send(session, stack.urls[i % len(stack.urls)], turns[i], run)
+                if i == kill_gateway_after and len(urls) > 1:
+                    process = stack.gateways[0].process
+                    assert process is not None
+                    process.kill()
+                    urls.pop(0)
+                    run.restart_after = i
+                await _send(session, urls[i % len(urls)], turns[i], run)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     ends = [s.ended_at for s in run.sent]
@@ -422,12 +436,13 @@ def run_policy(
     *,
     restart_after: int | None = None,
     closed_loop: int | None = None,
+    kill_gateway_after: int | None = None,
 ) -> tuple[RealRun, list[tuple[int, int, float]]]:
     with Stack(config, policy) as stack:
         run = RealRun(policy, repetition)
         before = stack.prefix_counters()
         if closed_loop is not None:
-            asyncio.run(replay_closed(stack, turns, run, closed_loop))
+            asyncio.run(replay_closed(stack, turns, run, closed_loop, kill_gateway_after))
         else:
             asyncio.run(replay(stack, turns, run, restart_after=restart_after))
         time.sleep(1.5)  # the ledgers' counters follow their last step
