@@ -13,7 +13,9 @@ request it concerns, and cause and effect link both ways:
 
 The ledger keeps a bounded memory of which block hashes it evicted for whom (`MAX_EVICTED`), so
 a later miss can name its cause. Only sampled requests (the traceparent's flag, decided once at
-the gateway) cost spans; the rest cost a dictionary look-up per admission and preemption.
+the gateway) cost spans; the rest cost a dictionary look-up per admission and preemption, and a
+tuple per block their allocations evict (what a sampled request's lost prefix may point to).
+A traceparent is parsed only where its context is used (a sampled request's spans, a log line).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from observability import (
     get_logger,
     in_trace,
     lean_tracer,
+    never_sampled,
     record_span,
     span_context_from_traceparent,
 )
@@ -90,7 +93,7 @@ class _EvictRun:
     """The evictions of one request's allocations from its admission on: one span, ended when
     the request is preempted or ends (start: the first eviction, end: the last)."""
 
-    span: Span | None  # None when the request's trace is not sampled
+    span: Span  # a sampled request's (the others' evictions are only remembered)
     first_ns: int
     last_ns: int = 0
     num_blocks: int = 0
@@ -98,17 +101,21 @@ class _EvictRun:
     hashes: list[BlockHash] = field(default_factory=list)
 
     @property
-    def context(self) -> SpanContext | None:
-        return self.span.get_span_context() if self.span is not None else None
+    def context(self) -> SpanContext:
+        return self.span.get_span_context()
 
 
-@dataclass(slots=True)
-class _Evicted:
-    """Who evicted a cached block (and the span saying so), and who had stored it."""
+# Who evicted a cached block, and the kvledger.evict span saying so (None: not sampled).
+_Evicted = tuple[str, SpanContext | None]
 
-    by: str
-    span: SpanContext | None
-    owner: str | None
+
+def _sampled(traceparent: str | None) -> SpanContext | None:
+    """The span a traceparent names when its trace is sampled, else None (an unsampled one is
+    told by its flags without parsing it)."""
+    if never_sampled(traceparent):
+        return None
+    span_context = span_context_from_traceparent(traceparent)
+    return span_context if span_context is not None and span_context.trace_flags.sampled else None
 
 
 class LedgerTelemetry:
@@ -124,9 +131,9 @@ class LedgerTelemetry:
         self.costs = costs  # the queue waits feed the step costs published for routers
         self.scheduler = scheduler
         self.block_size = scheduler.block_size if scheduler is not None else 16
-        # req_id -> the span its trace continues from (sampled or not), kept after the request
-        # ends: later preemptions and evictions link back to it.
-        self.contexts: OrderedDict[str, SpanContext | None] = OrderedDict()
+        # req_id -> the traceparent its trace continues from (sampled or not; parsed only where
+        # used), kept after the request ends: later preemptions and evictions link back to it.
+        self.contexts: OrderedDict[str, str | None] = OrderedDict()
         self.parents: OrderedDict[str, Context] = (
             OrderedDict()
         )  # of sampled requests, until they end
@@ -149,12 +156,12 @@ class LedgerTelemetry:
     def request_added(self, request: Request[Tracked]) -> None:
         """A request entered the waiting queue (after `Scheduler.add_request`)."""
         request_id = request.request_id
-        span_context = span_context_from_traceparent(request.payload.msg.traceparent)
-        self.contexts[request_id] = span_context
+        traceparent = request.payload.msg.traceparent
+        self.contexts[request_id] = traceparent
         if len(self.contexts) > MAX_REMEMBERED_TRACES:
             self.contexts.popitem(last=False)
         self.waits[request_id] = self._wait(
-            request, int(request.arrival_time * 1e9), resumed=False, sampled=span_context
+            request, int(request.arrival_time * 1e9), resumed=False, traceparent=traceparent
         )
 
     def _wait(
@@ -163,7 +170,7 @@ class LedgerTelemetry:
         since_ns: int,
         *,
         resumed: bool,
-        sampled: SpanContext | None,
+        traceparent: str | None,
         first_step: int | None = None,
     ) -> _Wait:
         scheduler = self.scheduler
@@ -171,12 +178,7 @@ class LedgerTelemetry:
         wait = _Wait(
             since_ns, resumed, step_id + 1 if first_step is None else first_step, request.priority
         )
-        if (
-            self.tracer is not None
-            and scheduler is not None
-            and sampled is not None
-            and sampled.trace_flags.sampled
-        ):
+        if self.tracer is not None and scheduler is not None and _sampled(traceparent) is not None:
             wait.ahead = scheduler.waiting.num_ahead(request)
         return wait
 
@@ -284,11 +286,11 @@ class LedgerTelemetry:
                 attributes[Attr.PREFIX_LOST_BLOCKS] = num_lost
                 attributes[Attr.PREFIX_LOST_TOKENS] = num_lost * self.block_size
                 attributes[Attr.PREFIX_LOST_EVICTED_BY] = sorted(evictors)
-                for by, (evicted, count) in evictors.items():
-                    if evicted.span is not None:
+                for by, (span_context, count) in evictors.items():
+                    if span_context is not None:
                         links.append(
                             Link(
-                                evicted.span, {Attr.REQUEST_ID: by, Attr.PREFIX_LOST_BLOCKS: count}
+                                span_context, {Attr.REQUEST_ID: by, Attr.PREFIX_LOST_BLOCKS: count}
                             )
                         )
         record_span(
@@ -298,22 +300,24 @@ class LedgerTelemetry:
 
     def _prefix_lost(
         self, request: Request[Tracked], num_hit_blocks: int
-    ) -> tuple[int, dict[str, tuple[_Evicted, int]]]:
+    ) -> tuple[int, dict[str, tuple[SpanContext | None, int]]]:
         """How many blocks past its prefix hit the request would have hit had they not been
-        evicted (consecutive, as a hit is), and who evicted them (with how many each)."""
+        evicted (consecutive, as a hit is), and who evicted them (the eviction's span, and how
+        many each)."""
         evicted = self.evicted
         if not evicted or request.skip_reading_prefix_cache or not request.block_hashes:
             return 0, {}
         limit = (request.num_tokens - 1) // self.block_size  # the last token is never a hit
         num_lost = 0
-        evictors: dict[str, tuple[_Evicted, int]] = {}
+        evictors: dict[str, tuple[SpanContext | None, int]] = {}
         for block_hash in islice(request.block_hashes, num_hit_blocks, limit):
             record = evicted.get(block_hash)
             if record is None:
                 break
             num_lost += 1
-            _, count = evictors.get(record.by, (record, 0))
-            evictors[record.by] = (record, count + 1)
+            by, span_context = record
+            _, count = evictors.get(by, (span_context, 0))
+            evictors[by] = (span_context, count + 1)
         return num_lost, evictors
 
     def _preemptions(self, out: SchedulerOutput[Tracked], now: int) -> None:
@@ -328,7 +332,7 @@ class LedgerTelemetry:
                 # between steps (a lost worker), from the next one.
                 first = out.step_id + (preemption.reason != "kv_cache_full")
                 self.waits[victim] = self._wait(
-                    request, now, resumed=True, sampled=self.contexts.get(victim),
+                    request, now, resumed=True, traceparent=self.contexts.get(victim),
                     first_step=first,
                 )  # fmt: skip
             self._end_evict_run(victim)
@@ -463,35 +467,41 @@ class LedgerTelemetry:
                 self.metrics.record_evictions(len(evictions))
             if self.tracer is None:
                 continue
+            remembered = self.evicted
             run = self.evict_runs.get(rid)
             if run is None:
                 parent = self._parent(rid)
-                span = None
-                if parent is not None:
-                    span = self.tracer.start_span(
-                        SpanName.EVICT, context=parent, start_time=now,
-                        attributes={Attr.REQUEST_ID: rid},
-                    )  # fmt: skip
+                if parent is None:  # not sampled: only remembered, for a later lost prefix
+                    record: _Evicted = (rid, None)
+                    for eviction in evictions:
+                        remembered.pop(eviction.block_hash, None)
+                        remembered[eviction.block_hash] = record
+                    while len(remembered) > MAX_EVICTED:
+                        remembered.popitem(last=False)
+                    continue
+                span = self.tracer.start_span(
+                    SpanName.EVICT, context=parent, start_time=now,
+                    attributes={Attr.REQUEST_ID: rid},
+                )  # fmt: skip
                 run = self.evict_runs[rid] = _EvictRun(span, first_ns=now)
             run.last_ns = now
             run.num_blocks += len(evictions)
-            span_context = run.context
-            remembered = self.evicted
+            record = (rid, run.context)
             owners = run.owners
             for eviction in evictions:
                 block_hash = eviction.block_hash
-                remembered[block_hash] = _Evicted(rid, span_context, eviction.stored_by)
-                remembered.move_to_end(block_hash)
+                remembered.pop(block_hash, None)
+                remembered[block_hash] = record
                 if eviction.stored_by is not None:
                     owners[eviction.stored_by] = owners.get(eviction.stored_by, 0) + 1
-                if span_context is not None and len(run.hashes) < MAX_EVICTED_HASHES:
+                if len(run.hashes) < MAX_EVICTED_HASHES:
                     run.hashes.append(block_hash)
             while len(remembered) > MAX_EVICTED:
                 remembered.popitem(last=False)
 
     def _end_evict_run(self, request_id: str) -> None:
         run = self.evict_runs.pop(request_id, None)
-        if run is None or run.span is None:
+        if run is None:
             return
         span = run.span
         span.set_attributes(
@@ -505,8 +515,8 @@ class LedgerTelemetry:
         )
         top = sorted(run.owners.items(), key=lambda item: -item[1])[:MAX_EVICT_LINKS]
         for owner, count in top:
-            owner_context = self.contexts.get(owner)
-            if owner_context is not None and owner_context.trace_flags.sampled:
+            owner_context = _sampled(self.contexts.get(owner))
+            if owner_context is not None:
                 span.add_link(
                     owner_context, {Attr.REQUEST_ID: owner, Attr.NUM_EVICTED_BLOCKS: count}
                 )
@@ -520,8 +530,8 @@ class LedgerTelemetry:
         parent = self.parents.get(request_id)
         if parent is not None:
             return parent
-        span_context = self.contexts.get(request_id)
-        if span_context is None or not span_context.trace_flags.sampled:
+        span_context = _sampled(self.contexts.get(request_id))
+        if span_context is None:
             return None
         parent = trace.set_span_in_context(trace.NonRecordingSpan(span_context), Context())
         self.parents[request_id] = parent

@@ -103,10 +103,17 @@ async def _run(request: web.Request, gw: Gateway, kind: str, span: Span) -> web.
                     return await gw.upstreams.proxy(request, raw, first.route.replica)
                 finally:
                     gw.routing.release(first.req_id)
-        with gw.tracer.start_as_current_span(
-            genai.span_name(operation, model), record_exception=False,
-            set_status_on_exception=False,
-        ) as generation:  # fmt: skip
+        # A trace left out (or tracing off): its GenAI span would be the server span's own
+        # non-recording span (kvledger's samplers follow the parent), so it is that, for free.
+        genai_span = (
+            gw.tracer.start_as_current_span(
+                genai.span_name(operation, model), record_exception=False,
+                set_status_on_exception=False,
+            )
+            if span.is_recording()
+            else contextlib.nullcontext(span)
+        )  # fmt: skip
+        with genai_span as generation:
             if generation.is_recording():
                 generation.set_attributes(genai.request_attributes(children[0], operation, model))
             gens: list[Generation] = [first]

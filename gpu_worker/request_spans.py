@@ -11,8 +11,10 @@ Links go both ways: a prefill span links to its step and the step to it; a decod
 its first and last steps and its first step to it (with --collect-detailed-traces every step
 links to every request in it: a link per request per step, the costliest part of a trace).
 Only sampled requests (the traceparent's flag, decided once at the gateway) get spans and links,
-so a trace left out costs a dictionary look-up per step; a step that computed a sampled request
-is kept (`kvledger.num_traced_requests`, see `observability.tracing.kvledger_sampler`). Open
+so a trace left out costs a dictionary look-up per step. A step in which a sampled request's
+prefill chunk or decode run began links to it, and is kept (`kvledger_sampler`'s rule for
+batches), so every link resolves both ways; any other step is a root like any other, kept by the
+sampling ratio (all of them at 1.0). A span of work links only to steps that were kept. Open
 decode spans are ended by `close_all` (idle, new epoch, shutdown), so none is lost.
 """
 
@@ -227,9 +229,9 @@ class RequestSpans:
         num_traced: int,
         error: str | None,
     ) -> SpanContext | None:
-        """The step's span, made and ended at once; its context when kept. The sampler reads
-        how many sampled requests it computed (kvledger_sampler keeps such a step); the rest is
-        built only for a step kept."""
+        """The step's span, made and ended at once; its context when kept (kvledger_sampler
+        keeps a step that links to sampled work, the ratio decides the others); its attributes
+        are built only for a step kept."""
 
         def attributes() -> dict[str, AttributeValue]:
             scheduled = step.num_scheduled_tokens

@@ -389,10 +389,11 @@ def otlp_traces_url(endpoint: str) -> str:
 def kvledger_sampler(name: str | None = None, arg: str | None = None) -> Sampler:
     """OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG as the OpenTelemetry SDKs read them
     (default parentbased_always_on), plus one rule for batches: a root span that links to a
-    sampled span, or says it computed sampled requests (`kvledger.num_traced_requests` > 0), is
-    sampled (a worker's step), so the links from a request's work to its step always resolve.
-    The gateway's root span is the one decision the ratio makes; the ledger and the workers
-    follow the traceparent's flag."""
+    sampled span is sampled (a worker's step in which a kept request's prefill chunk or decode
+    run began), so that those links resolve both ways. Any other root, a step in which kept
+    requests only went on decoding included, is kept by the ratio, its own trace id deciding.
+    The gateway's root span is the one decision the ratio makes for a request; the ledger and
+    the workers follow the traceparent's flag."""
     from opentelemetry.sdk.trace import sampling
 
     name = (name or "parentbased_always_on").strip().lower()
@@ -434,9 +435,7 @@ def _keep_linked_roots(base: Sampler, root: str, ratio: float, parent_based: boo
         ) -> bool:
             """Sampled or dropped; `parent` is None for a root (or an invalid parent)."""
             if parent is None:
-                if (attributes and attributes.get(Attr.NUM_TRACED_REQUESTS)) or (
-                    links and any(link.context.trace_flags.sampled for link in links)
-                ):
+                if links and any(link.context.trace_flags.sampled for link in links):
                     return True
             elif parent_based:
                 return parent.trace_flags.sampled

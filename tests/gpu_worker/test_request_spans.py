@@ -151,20 +151,34 @@ def test_unsampled_requests_cost_no_spans_and_their_steps_follow_the_ratio():
     assert not int(tp.split("-")[3], 16) & 0x01  # the "gateway" did not sample it
     tracing.step(step_message(1, new=[new_req("a", tp, 8)], scheduled={"a": 8}), 0, 10)
     assert spans.spans == [] and tracing.requests == {}
-    # One sampled request in the batch keeps the step (its links must resolve).
+    # A sampled request's prefill chunk began in step 2: the step links to it, and is kept.
     sampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     tracing.step(step_message(2, new=[new_req("b", sampled, 8)], scheduled={"b": 8}), 20, 30)
     names = sorted(s["name"] for s in spans.spans)
     assert names == ["kvledger.prefill", "kvledger.step"]
-    # b decodes: after its first decode step its steps link to nothing, and are still kept.
-    for step_id in (3, 4):
+    # b decodes: its run begins in step 3 (kept, linked to the run); in steps 4 and 5 it only
+    # goes on decoding, and the ratio (0) decides them as any other root: not kept.
+    for step_id in (3, 4, 5):
         cached = [cached_req("b", 8 + step_id - 3)]
         tracing.step(
             step_message(step_id, cached=cached, scheduled={"b": 1}), step_id * 10, step_id * 10 + 5
         )
+    tracing.close_all("shutdown")
     steps = named(spans.spans, "kvledger.step")
-    assert [len(s["links"]) for s in steps] == [1, 1, 0]
-    assert [s["attributes"]["kvledger.num_traced_requests"] for s in steps] == [1, 1, 1]
+    assert [s["attributes"]["kvledger.step_id"] for s in steps] == [2, 3]
+    assert [len(s["links"]) for s in steps] == [1, 1]
+    assert [s["attributes"]["kvledger.num_traced_requests"] for s in steps] == [1, 1]
+    # Every link resolves, both ways: the request's work links only to the steps kept.
+    (prefill,) = named(spans.spans, "kvledger.prefill")
+    (decode,) = named(spans.spans, "kvledger.decode")
+    assert decode["attributes"]["kvledger.num_steps"] == 3
+    assert (
+        decode["attributes"]["kvledger.first_step_id"],
+        decode["attributes"]["kvledger.last_step_id"],
+    ) == (3, 5)
+    for work, step in ((prefill, steps[0]), (decode, steps[1])):
+        assert [link["span_id"] for link in work["links"]] == [step["span_id"]]
+        assert [link["span_id"] for link in step["links"]] == [work["span_id"]]
 
 
 def test_the_default_sampler_is_parent_based_and_keeps_linked_roots():

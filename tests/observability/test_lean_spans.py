@@ -156,10 +156,15 @@ def test_the_samplers_decide_as_the_sdks_samplers_do():
             expected = theirs.should_sample(context, trace_id, "s").decision.is_sampled()
             assert ours.should_sample(context, trace_id, "s").decision.is_sampled() == expected
             assert ours.decide(parent, trace_id) == expected
-        # the rule for batches: a root linked to sampled work, or computing it, is kept
+        # the rule for batches: a root linked to sampled work is kept; one that only says it
+        # computed sampled requests is decided as any root (a step where they went on decoding)
         sampled = SpanContext(1, 2, is_remote=True, trace_flags=TraceFlags(1))
-        assert ours.decide(None, 5, links=[Link(sampled)])
-        assert ours.decide(None, 5, attributes={Attr.NUM_TRACED_REQUESTS: 2})
+        unsampled = SpanContext(1, 3, is_remote=True, trace_flags=TraceFlags(0))
+        dropped = (1 << 128) - 1  # above every ratio's bound
+        assert ours.decide(None, dropped, links=[Link(unsampled), Link(sampled)])
+        root = theirs.should_sample(None, dropped, "s").decision.is_sampled()
+        assert ours.decide(None, dropped, links=[Link(unsampled)]) == root
+        assert ours.decide(None, dropped, attributes={Attr.NUM_TRACED_REQUESTS: 2}) == root
 
 
 def test_a_lean_tracer_follows_the_parents_flag_and_the_ratio():
