@@ -1,18 +1,27 @@
 """What tracing costs: throughput with tracing off, on at sampling 1.0 and on at a ratio (0.1),
 real processes (`kvledger up`, the tiny model on the CPU), 48 concurrent requests, paired rounds.
 
-    python benchmarks/tracing.py [--rounds 5] [--requests 96] [--concurrency 48] [--json FILE]
+    python benchmarks/tracing.py [--rounds 24] [--requests 144] [--concurrency 48] [--json FILE]
 
 The three stacks run side by side, each idle while another is measured; every round measures
-all three, in an order that rotates from round to round, and compares each traced run with the
-untraced run of its own round. The traced stacks export over OTLP/HTTP (`--otlp-traces-endpoint`,
-`OTEL_TRACES_SAMPLER=parentbased_traceidratio` for the ratio) to receivers in child processes
-that parse each export only to count spans per trace: what a collector on the same host would
-cost. After each traced run the benchmark waits for the exporters to flush (so that no run pays
-for the one before). Prints output tokens/s per round, the ratios to off with their median, the
-services' CPU seconds per run, and the spans per request (median and max over the request
-traces of the last sampling-1.0 run), against the targets (>= 0.95x at 1.0, >= 0.99x at the
-ratio, <= 20 spans per request).
+all three, in an order that goes through the six orders in turn (each stack as often first,
+second and third, and before or after each other), and compares each traced run with the
+untraced run of its own round. Every run is the same work (the same prompts, seed and load)
+followed by the same idle time (`SETTLE_S`: past the worker's 1 s idle and the batch
+processors' 5 s schedule, so that a traced run's last exports fall in its own window, never in
+the next run's); throughput counts the load's wall time, CPU the whole window. The services run
+as `kvledger up` runs them (their garbage collectors as in production: the ledger and the
+workers `gc.freeze()` what they made starting up). The traced stacks export over OTLP/HTTP
+(`--otlp-traces-endpoint`, `OTEL_TRACES_SAMPLER=parentbased_traceidratio` for the ratio) to
+receivers in child processes that parse each export only to count spans per trace, over kept-
+alive HTTP/1.1 connections: what a collector on the same host would cost.
+
+Prints output tokens/s per round, the ratios to off, and for each the median over the rounds
+with a 95% bootstrap confidence interval (the rounds resampled) and the spread; the services'
+CPU seconds per run; the spans per request (median and max over the request traces of the last
+sampling-1.0 run); each against its target (>= 0.95x at 1.0, >= 0.99x at the ratio, <= 20
+spans per request): met when the interval's lower end clears it, not met when its upper end is
+below it, else not resolved by the run.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -56,15 +66,17 @@ def serve_receiver(port: int) -> None:
     ok = ExportTraceServiceResponse().SerializeToString()
     per_trace: dict[bytes, int] = {}
     servers: set[bytes] = set()
-    totals = {"spans": 0, "exports": 0}
+    totals = {"spans": 0, "exports": 0, "step_spans": 0}
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as collectors serve (HTTP/1.0 closes each)
+
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self.path == "/reset":
                 per_trace.clear()
                 servers.clear()
-                totals.update(spans=0, exports=0)
+                totals.update(spans=0, exports=0, step_spans=0)
                 self._reply(b"{}", "application/json")
                 return
             request = ExportTraceServiceRequest()
@@ -77,6 +89,8 @@ def serve_receiver(port: int) -> None:
                         per_trace[span.trace_id] = per_trace.get(span.trace_id, 0) + 1
                         if span.kind == 2:  # SERVER: the gateway's root of a request's trace
                             servers.add(span.trace_id)
+                        elif span.kind == 5:  # CONSUMER: a worker's kvledger.step
+                            totals["step_spans"] += 1
             self._reply(ok, "application/x-protobuf")
 
         def do_GET(self) -> None:
@@ -181,6 +195,9 @@ class Run:
     output_tokens: int
     cpu_s: dict[str, float]
     spans: int = 0
+    step_spans: int = 0  # of them, the workers' kvledger.step spans
+    position: int = 0  # 0, 1 or 2: where in its round's order it ran
+    load_average: float = 0.0  # the 1-minute load average as it started
 
     @property
     def tok_s(self) -> float:
@@ -212,11 +229,15 @@ def start_stack(name: str, args: argparse.Namespace, env_extra: dict[str, str]) 
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     assert process.stdout is not None
+    output: list[str] = []
     for line in process.stdout:
         if "Press Ctrl-C" in line:
             break
+        output = [*output[-20:], line]
     else:
-        raise RuntimeError(f"kvledger up ({name}) exited before serving")
+        if receiver is not None:
+            receiver.close()
+        raise RuntimeError(f"kvledger up ({name}) exited before serving:\n{''.join(output)}")
     # Keep reading its output so that a full pipe never blocks it.
     import threading
 
@@ -328,31 +349,64 @@ def isolated_span_cost(iterations: int = 300) -> float:
     return 1e6 * (time.process_time() - started) / iterations
 
 
-SETTLE_S = 6.0  # past the batch processors' 5 s schedule: every span of the run is exported
+# Past the worker's idle (1 s without a step ends the open decode runs) and the batch
+# processors' 5 s schedule: every span of a run is exported inside its own window.
+SETTLE_S = 6.5
 
 
-def measure(stack: Stack, prompts: list[list[int]], args: argparse.Namespace, n: int) -> Run:
+def measure(
+    stack: Stack, prompts: list[list[int]], args: argparse.Namespace, n: int, position: int
+) -> Run:
     """One run: the load, then SETTLE_S for every stack alike (so that the CPU seconds cover
-    the traced stacks' exports and the same idle time for all), then the counts."""
+    the traced stacks' exports and the same idle time for all), then the span count (all of
+    the run's spans arrived in the settle, none of them left for the next run)."""
     if stack.receiver is not None:
-        stack.receiver.settle()
         stack.receiver.reset()
+    load = os.getloadavg()[0]
     cpu_before = stack.cpu_seconds()
     wall_s, tokens = asyncio.run(drive(stack.url, prompts, args))
     time.sleep(SETTLE_S)
     cpu = {k: v - cpu_before.get(k, 0.0) for k, v in stack.cpu_seconds().items()}
-    spans = stack.receiver.settle(quiet_s=1.0) if stack.receiver is not None else 0
-    run = Run(n, wall_s, tokens, cpu, spans)
+    stats = stack.receiver.stats() if stack.receiver is not None else {}
+    run = Run(
+        n, wall_s, tokens, cpu, stats.get("spans", 0), stats.get("step_spans", 0), position, load
+    )
     stack.runs.append(run)
     return run
+
+
+def median_ci(
+    values: list[float], *, level: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float, float]:
+    """The median and a percentile-bootstrap confidence interval for it (the values resampled
+    with replacement), seeded so that a report can be reproduced from its JSON."""
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    low = medians[int(tail * resamples)]
+    high = medians[min(resamples - 1, int((1 - tail) * resamples))]
+    return statistics.median(values), low, high
+
+
+def verdict(low: float, high: float, target: float, *, at_least: bool = True) -> str:
+    """met / not met / not resolved, by where the target lies against the interval."""
+    if not at_least:
+        low, high, target = -high, -low, -target
+    if low >= target:
+        return "met"
+    if high < target:
+        return "not met"
+    return "not resolved"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=24, help="a multiple of 6 balances orders")
+    parser.add_argument("--requests", type=int, default=144)
+    parser.add_argument("--warmup-runs", type=int, default=2, help="per stack, before round 1")
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--prefix-len", type=int, default=32, help="shared by a quarter each")
@@ -376,14 +430,22 @@ def main() -> int:
 
     prompts = workload(args)
     load = os.getloadavg()[0]
+    started_at = time.time()
     with stacks(args) as started:
         for stack in started:  # warm up: the first requests pay for imports and allocations
-            asyncio.run(drive(stack.url, prompts[: args.concurrency], args))
+            for _ in range(args.warmup_runs):
+                asyncio.run(drive(stack.url, prompts, args))
+        time.sleep(SETTLE_S)  # the warm-ups' spans exported before the first round
+        orders = list(itertools.permutations(range(3)))  # each stack in each place alike
         for n in range(args.rounds):
-            order = started[n % 3 :] + started[: n % 3]
-            for stack in order:
-                run = measure(stack, prompts, args, n + 1)
-                print(f"round {n + 1} {stack.name:>8}: {run.tok_s:8.1f} tok/s", flush=True)
+            for position, index in enumerate(orders[n % len(orders)]):
+                stack = started[index]
+                run = measure(stack, prompts, args, n + 1, position)
+                print(
+                    f"round {n + 1} {stack.name:>8}: {run.tok_s:8.1f} tok/s "
+                    f"(load {run.load_average:.2f})",
+                    flush=True,
+                )
         per_request = started[1].receiver.stats()["per_request"] if started[1].receiver else []
     off, on, ratio = started
     name = f"on {args.ratio:g}"
@@ -393,17 +455,19 @@ def main() -> int:
         rows.append(
             [n + 1, *(r.tok_s for r in runs),
              f"{runs[1].tok_s / runs[0].tok_s:.3f}", f"{runs[2].tok_s / runs[0].tok_s:.3f}",
-             *(f"{r.cpu_ms_per_token:.3f}" for r in runs), runs[1].spans, runs[2].spans]
+             *(f"{r.cpu_ms_per_token:.3f}" for r in runs),
+             *(f"{r.spans} ({r.step_spans})" for r in runs[1:]), f"{runs[0].load_average:.2f}"]
         )  # fmt: skip
     print()
     table = format_table(
             ["round", "off tok/s", "on 1.0 tok/s", f"{name} tok/s", "on 1.0 / off",
              f"{name} / off", "off CPU ms/tok", "on 1.0 CPU ms/tok", f"{name} CPU ms/tok",
-             "spans 1.0", f"spans {args.ratio:g}"],
+             "spans 1.0 (steps)", f"spans {args.ratio:g} (steps)", "load"],
             rows,
             title=f"tracing cost: {args.requests} requests, {args.concurrency} concurrent, "
             f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each, model {args.model}, CPU "
-            f"(load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at the end)",
+            f"(load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at the end, "
+            f"{(time.time() - started_at) / 60:.1f} min)",
     )  # fmt: skip
     print(table)
     roles = sorted({r for stack in started for run in stack.runs for r in run.cpu_s})
@@ -429,13 +493,19 @@ def main() -> int:
         return base.cpu_ms_per_token / run.cpu_ms_per_token
 
     summary = []
+    results: dict[str, dict[str, float | str]] = {}
     for stack, target in ((on, TARGET_ON), (ratio, TARGET_RATIO)):
         for label, how in (("throughput", throughput), ("CPU per token, inverted", cpu)):
             values = ratios(stack, how)
-            median = statistics.median(values)
+            median, low, high = median_ci(values)
+            met = verdict(low, high, target)
+            results[f"{stack.name} / off, {label}"] = {
+                "median": median, "ci95_low": low, "ci95_high": high, "min": min(values),
+                "max": max(values), "target": target, "verdict": met,
+            }  # fmt: skip
             summary.append(
-                [f"{stack.name} / off, {label}", f"{median:.3f}x",
-                 f"{min(values):.3f}-{max(values):.3f}", f">= {target}x", median >= target]
+                [f"{stack.name} / off, {label}", f"{median:.3f}x", f"{low:.3f}-{high:.3f}",
+                 f"{min(values):.3f}-{max(values):.3f}", f">= {target}x", met]
             )  # fmt: skip
     spans_median = statistics.median(per_request) if per_request else 0
     isolated_us = isolated_span_cost()
@@ -444,19 +514,20 @@ def main() -> int:
     )
     estimate = 1 / (1 + isolated_us / 1000 / off_cpu_per_request_ms)
     summary.append(
-        ["on 1.0 / off, CPU estimate from the spans' cost in isolation", f"{estimate:.3f}x",
+        ["on 1.0 / off, CPU estimate from the spans' cost in isolation", f"{estimate:.3f}x", "",
          f"{isolated_us:.0f} us a request / {off_cpu_per_request_ms:.1f} ms", f">= {TARGET_ON}x",
-         estimate >= TARGET_ON]
+         "met" if estimate >= TARGET_ON else "not met"]
     )  # fmt: skip
     summary.append(
-        ["spans per request", spans_median,
+        ["spans per request", spans_median, "",
          f"{min(per_request, default=0)}-{max(per_request, default=0)}",
-         f"<= {TARGET_SPANS}", spans_median <= TARGET_SPANS]
+         f"<= {TARGET_SPANS}", "met" if spans_median <= TARGET_SPANS else "not met"]
     )  # fmt: skip
     print()
     table = format_table(
-        ["measure", "median", "range", "target", "met"], summary,
-        title=f"{len(per_request)} request traces in the last sampling-1.0 run",
+        ["measure", "median", "95% CI", "range", "target", "verdict"], summary,
+        title=f"{args.rounds} rounds; {len(per_request)} request traces in the last sampling-1.0 "
+        "run; met: the interval clears the target, not met: it lies below, else not resolved",
     )  # fmt: skip
     print(table)
     if args.json:
@@ -466,6 +537,11 @@ def main() -> int:
                 {
                     "args": {k: str(v) for k, v in vars(args).items()},
                     "load_average": load,
+                    "load_average_end": os.getloadavg()[0],
+                    "minutes": (time.time() - started_at) / 60,
+                    "settle_s": SETTLE_S,
+                    "summary": results,
+                    "isolated_span_cost_us": isolated_us,
                     "runs": {s.name: [vars(r) for r in s.runs] for s in started},
                     "spans_per_request": per_request,
                 },
