@@ -10,8 +10,8 @@ untraced run of its own round. Every run is the same work (the same prompts, see
 followed by the same idle time (`SETTLE_S`: past the worker's 1 s idle and the batch
 processors' 5 s schedule, so that a traced run's last exports fall in its own window, never in
 the next run's); throughput counts the load's wall time, CPU the whole window. The services run
-as `kvledger up` runs them (their garbage collectors as in production: the ledger and the
-workers `gc.freeze()` what they made starting up). The traced stacks export over OTLP/HTTP
+as `kvledger up` runs them, garbage collectors as in production (on; every role `gc.freeze()`s
+what it made starting up, `services/startup.py`; nothing frozen or tuned by the benchmark). The traced stacks export over OTLP/HTTP
 (`--otlp-traces-endpoint`, `OTEL_TRACES_SAMPLER=parentbased_traceidratio` for the ratio) to
 receivers in child processes that parse each export only to count spans per trace, over kept-
 alive HTTP/1.1 connections: what a collector on the same host would cost.
