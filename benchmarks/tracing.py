@@ -449,6 +449,7 @@ def main() -> int:
         per_request = started[1].receiver.stats()["per_request"] if started[1].receiver else []
     off, on, ratio = started
     name = f"on {args.ratio:g}"
+    loads = [run.load_average for stack in started for run in stack.runs]
     rows = []
     for n in range(args.rounds):
         runs = (off.runs[n], on.runs[n], ratio.runs[n])
@@ -467,6 +468,7 @@ def main() -> int:
             title=f"tracing cost: {args.requests} requests, {args.concurrency} concurrent, "
             f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each, model {args.model}, CPU "
             f"(load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at the end, "
+            f"{min(loads):.2f}-{max(loads):.2f} as the runs started, "
             f"{(time.time() - started_at) / 60:.1f} min)",
     )  # fmt: skip
     print(table)
@@ -538,6 +540,7 @@ def main() -> int:
                     "args": {k: str(v) for k, v in vars(args).items()},
                     "load_average": load,
                     "load_average_end": os.getloadavg()[0],
+                    "load_average_runs": [min(loads), max(loads)],
                     "minutes": (time.time() - started_at) / 60,
                     "settle_s": SETTLE_S,
                     "summary": results,
