@@ -21,7 +21,8 @@ with a 95% bootstrap confidence interval (the rounds resampled) and the spread; 
 CPU seconds per run; the spans per request (median and max over the request traces of the last
 sampling-1.0 run); each against its target (>= 0.95x at 1.0, >= 0.99x at the ratio, <= 20
 spans per request): met when the interval's lower end clears it, not met when its upper end is
-below it, else not resolved by the run.
+below it, else not resolved by the run. `--aa` is the control: three untraced stacks in the
+same places, measured and judged the same way (what the benchmark reads when nothing differs).
 """
 
 from __future__ import annotations
@@ -210,12 +211,16 @@ class Run:
         return 1000 * sum(self.cpu_s.values()) / self.output_tokens
 
 
-def start_stack(name: str, args: argparse.Namespace, env_extra: dict[str, str]) -> Stack:
+def start_stack(
+    name: str, args: argparse.Namespace, env_extra: dict[str, str], traced: bool | None = None
+) -> Stack:
+    """`kvledger up` for one stack; traced (by default: any stack but "off") exports its spans
+    to a receiver of its own."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.pop("KVLEDGER_COLLECT_DETAILED_TRACES", None)
     env.update(KVLEDGER_LOG_LEVEL="warning", KVLEDGER_MAX_QUEUE="100000", **env_extra)
-    receiver = Receiver() if name != "off" else None
+    receiver = Receiver() if (name != "off" if traced is None else traced) else None
     cmd = [
         sys.executable, "-m", "kvledger.cli", "up", "--model", args.model, "--port", str(port),
         "--device", "cpu",
@@ -250,6 +255,11 @@ def stacks(args: argparse.Namespace) -> Iterator[list[Stack]]:
     started: list[Stack] = []
     try:
         started.append(start_stack("off", args, {}))
+        if args.aa:  # the control: three untraced stacks, measured and compared the same way
+            started.append(start_stack("off B", args, {}, traced=False))
+            started.append(start_stack("off C", args, {}, traced=False))
+            yield started
+            return
         started.append(start_stack("on 1.0", args, {}))
         started.append(
             start_stack(
@@ -421,6 +431,12 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--aa",
+        action="store_true",
+        help="the control: three untraced stacks in the traced stacks' places (the noise floor, "
+        "and any bias of a stack's place), judged against the same targets",
+    )
     parser.add_argument("--json", type=Path, help="write every run here")
     parser.add_argument("--serve-receiver", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -448,7 +464,7 @@ def main() -> int:
                 )
         per_request = started[1].receiver.stats()["per_request"] if started[1].receiver else []
     off, on, ratio = started
-    name = f"on {args.ratio:g}"
+    name = ratio.name
     loads = [run.load_average for stack in started for run in stack.runs]
     rows = []
     for n in range(args.rounds):
@@ -461,9 +477,9 @@ def main() -> int:
         )  # fmt: skip
     print()
     table = format_table(
-            ["round", "off tok/s", "on 1.0 tok/s", f"{name} tok/s", "on 1.0 / off",
-             f"{name} / off", "off CPU ms/tok", "on 1.0 CPU ms/tok", f"{name} CPU ms/tok",
-             "spans 1.0 (steps)", f"spans {args.ratio:g} (steps)", "load"],
+            ["round", "off tok/s", f"{on.name} tok/s", f"{name} tok/s", f"{on.name} / off",
+             f"{name} / off", "off CPU ms/tok", f"{on.name} CPU ms/tok", f"{name} CPU ms/tok",
+             f"spans {on.name} (steps)", f"spans {name} (steps)", "load"],
             rows,
             title=f"tracing cost: {args.requests} requests, {args.concurrency} concurrent, "
             f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each, model {args.model}, CPU "
