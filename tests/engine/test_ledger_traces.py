@@ -159,6 +159,42 @@ async def test_a_request_that_finds_its_prefix_evicted_links_to_the_eviction(red
             )
 
 
+async def test_a_prefix_lost_to_requests_left_out_is_still_counted_and_named(redis_url, tiny_model):
+    """The fillers' traces are left out (the traceparent's flag clear): they cost no span, but
+    the ledger remembers what they evicted, so the sampled request that finds its prefix gone
+    still says how many tokens it lost and to whom (with no link: nothing to link to)."""
+    traced = Traced(redis_url, tiny_model, num_blocks=24, max_model_len=112)
+    stack = traced.stack
+    await stack.start()
+    try:
+        prompt = prompts(1, 64, seed=11)[0]
+        await traced.submit("first", prompt, 2)
+        await stack.wait(["first"])
+        fillers = prompts(4, 100, seed=12)
+        for pair in ((0, 1), (2, 3)):
+            for i in pair:
+                left_out = f"00-{i + 1:032x}-{i + 1:016x}-00"
+                await stack.submit(f"fill{i}", fillers[i], 4, traceparent=left_out)
+            await stack.wait([f"fill{i}" for i in pair])
+        await traced.submit("lost", prompt, 2)
+        await stack.wait(["lost"])
+    finally:
+        await stack.stop()
+
+    traces = traced.traces()
+    assert not {f"fill{i}" for i in range(4)} & set(traces)  # no span of theirs at all
+    assert {s["trace_id"] for s in traced.spans.spans} == {
+        traces[rid][0]["trace_id"] for rid in ("first", "lost")
+    } | {s["trace_id"] for s in named(traced.spans.spans, "kvledger.step")}
+    (lost,) = named(traces["lost"], "kvledger.admit")
+    a = lost["attributes"]
+    assert a["kvledger.prefix_lost.blocks"] >= 1
+    assert a["kvledger.prefix_hit.blocks"] + a["kvledger.prefix_lost.blocks"] == 3
+    assert a["kvledger.prefix_lost.tokens"] == 16 * a["kvledger.prefix_lost.blocks"]
+    assert set(a["kvledger.prefix_lost.evicted_by"]) <= {f"fill{i}" for i in range(4)}
+    assert lost["links"] == []
+
+
 def queue_of(spans) -> dict:
     (queue,) = named(spans, "kvledger.queue")
     return queue
