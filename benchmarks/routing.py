@@ -165,7 +165,7 @@ def restart_rows(work: HashedWorkload, args: argparse.Namespace) -> list[dict[st
 
 def table(rows: list[dict[str, object]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -297,7 +297,7 @@ def main_real(args: argparse.Namespace) -> None:
         Path(args.real_log_dir).mkdir(parents=True, exist_ok=True)
     config = RealConfig(
         replicas=args.real_replicas,
-        num_gpu_blocks=args.real_blocks,
+        num_gpu_blocks=args.real_blocks if args.real_blocks > 0 else None,  # 0: the default cache
         log_dir=args.real_log_dir,
         stale_after_s=args.real_stale_after_s,
     )
@@ -310,7 +310,14 @@ def main_real(args: argparse.Namespace) -> None:
     )  # fmt: skip
     policies = [p for p in args.policies.split(",") if p != "oracle"]
     runs, samples = [], []
+    singles = []  # one replica's single cache, the same trace: the prefill a router should reach
     for repetition in range(args.repetitions):
+        started = time.perf_counter()
+        single, _ = run_policy(dataclasses.replace(config, replicas=1), turns, "round_robin",
+                               repetition)  # fmt: skip
+        singles.append(single.row())
+        print(f"single cache rep {repetition}: {singles[-1]}  ({time.perf_counter() - started:.0f} s)",
+              flush=True)  # fmt: skip
         # Rotate the order so that no policy always runs first (or last) on a shared machine.
         shift = repetition % len(policies)
         for policy in policies[shift:] + policies[:shift]:
@@ -331,7 +338,13 @@ def main_real(args: argparse.Namespace) -> None:
             row[f"{key}_spread"] = round(values[-1] - values[0], 4)
         summary.append(row)
     base = next(r for r in summary if r["policy"] == policies[0])
+    single_prefill = statistics.median(float(r["prefill_tokens"]) for r in singles)  # type: ignore[arg-type]
+    summary.insert(0, {"policy": "single cache", "runs": len(singles),
+                       "prefill_tokens": single_prefill,
+                       "hit_rate": statistics.median(float(r["hit_rate"]) for r in singles)})  # type: ignore[arg-type]  # fmt: skip
     for row in summary:
+        row["prefill_vs_single"] = round(float(row["prefill_tokens"]) / single_prefill, 3)  # type: ignore[arg-type]
+    for row in summary[1:]:
         row["prefill_vs_rr"] = round(
             float(row["prefill_tokens"]) / float(base["prefill_tokens"]), 3
         )  # type: ignore[arg-type]
@@ -360,8 +373,8 @@ def main_real(args: argparse.Namespace) -> None:
             })  # fmt: skip
             print(restart[-1], flush=True)
     step_model = calibrate(samples) if samples else {}
-    columns = ["policy", "runs", "prefill_tokens", "prefill_vs_rr", "hit_rate", "ttft_p50_s",
-               "ttft_p99_s", "throughput_tok_s", "throughput_vs_rr"]  # fmt: skip
+    columns = ["policy", "runs", "prefill_tokens", "prefill_vs_single", "prefill_vs_rr",
+               "hit_rate", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "throughput_vs_rr"]  # fmt: skip
     text = (
         f"{len(turns)} requests, {config.replicas} replicas, {config.num_gpu_blocks} blocks each; "
     )
