@@ -138,6 +138,7 @@ class Engine:
             connector = build_connector(
                 config.offloading, self.num_cpu_chunks, config.block_size,
                 shared=config.kv_shared_tier, locality=config.kv_shared_tier_locality,
+                replica=config.replica,
             )  # fmt: skip
             if isinstance(connector.manager, TieringManager):
                 self.shared = shared_tier_shell(
@@ -799,6 +800,7 @@ def build_connector(
     block_size: int,
     shared: SharedTierSpec | None = None,
     locality: str | None = "REMOTE",
+    replica: str = "",
 ) -> OffloadingConnectorScheduler:
     """The CPU tier's books and decisions (ledger.offloading), configured as vLLM's, with the
     shared tier behind it when `shared` is given. Every worker of a step reports its copies
@@ -813,7 +815,9 @@ def build_connector(
     )
     manager: CPUOffloadingManager | TieringManager = cpu
     if shared is not None:
-        manager = TieringManager(cpu, locality=locality, delete_evicted=shared.backend == "dir")
+        manager = TieringManager(
+            cpu, locality=locality, delete_evicted=shared.backend == "dir", replica=replica
+        )
     return OffloadingConnectorScheduler(
         manager, block_size, num_workers=1, offload_prompt_only=offloading.offload_prompt_only
     )

@@ -112,9 +112,9 @@ class SharedTierShell:
         inbox, self.inbox = self.inbox, []
         for change in inbox:
             if change.reloaded:
-                self.manager.index.replace(change.stored)
+                self.manager.index.replace(change.stored, change.origins)
             else:
-                self.manager.apply_catalog(change.stored, change.removed)
+                self.manager.apply_catalog(change.stored, change.removed, change.origins)
 
     async def write(self) -> None:
         """The core's changes to the catalog (fenced); evictions past the size bound back in."""

@@ -148,6 +148,8 @@ class LedgerTelemetry:
         self._stores_skipped_seen = 0
         # A CPU-tier chunk's bytes: one block of every worker (the engine sets it once sized).
         self.tier_bytes_per_block = 0
+        # req_id -> when its first load or promotion went out (sampled requests' admissions).
+        self.loads_since: dict[str, int] = {}
         self._prompt_computed_seen = 0
         self._evicted_blocks = 0
 
@@ -208,6 +210,8 @@ class LedgerTelemetry:
         """The step's admissions, preemptions, evictions and hold; `now`: when it was
         scheduled (wall-clock ns), before the workers started on it."""
         now = time.time_ns() if now is None else now
+        if out.kv_transfers is not None and self.tracer is not None:
+            self._loads_started(out, now)
         if out.evictions:
             self._evictions(out, now)
         if out.admissions:
@@ -223,11 +227,27 @@ class LedgerTelemetry:
         if self.metrics is not None and out.preemptions:
             self.metrics.record_preemptions(len(out.preemptions))
 
+    def _loads_started(self, out: SchedulerOutput[Tracked], now: int) -> None:
+        """When each request's first copy toward its admission went out (a promotion from the
+        shared tier, or the CPU tier's load): its admit span says how long the loads took."""
+        meta = out.kv_transfers
+        assert meta is not None
+        started = self.loads_since
+        for job in meta.load_jobs.values():
+            started.setdefault(job.req_id, now)
+        if meta.shared:
+            for promotion in meta.shared.promotions:
+                if promotion.context is not None:
+                    started.setdefault(promotion.context.req_id, now)
+        while len(started) > MAX_REMEMBERED_TRACES:  # requests aborted while loading
+            del started[next(iter(started))]
+
     def _admitted(
         self, admission: Admission, request: Request[Tracked] | None, now: int, step_id: int
     ) -> None:
         rid = admission.request_id
         wait = self.waits.pop(rid, None)
+        loads_since = self.loads_since.pop(rid, None)
         since = wait.since_ns if wait is not None else now
         if _stdlib_log.isEnabledFor(logging.DEBUG):
             with self.in_request(rid):
@@ -273,9 +293,13 @@ class LedgerTelemetry:
         }
         if admission.num_loaded_tokens:
             attributes[Attr.LOADED_TOKENS] = admission.num_loaded_tokens
+            if loads_since is not None:
+                attributes[Attr.LOADED_WAIT_S] = round(max(now - loads_since, 0) / 1e9, 6)
             blocks = admission.num_loaded_tokens // self.block_size
             attributes[Attr.LOADED_BYTES] = blocks * self.tier_bytes_per_block
             attributes[Attr.LOADED_SHARED_BLOCKS] = admission.num_shared_blocks
+            if admission.shared_from:
+                attributes[Attr.LOADED_FROM_REPLICAS] = list(admission.shared_from)
         if request is not None and not admission.resumed:
             hit = admission.num_hit_tokens + admission.num_loaded_tokens
             attributes[Attr.RECOMPUTED_TOKENS] = max(request.num_prompt_tokens - hit, 0)

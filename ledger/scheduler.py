@@ -453,6 +453,7 @@ class Scheduler(Generic[P]):
         self.running.append(request)
         out.num_scheduled_tokens[request_id] = num_new_tokens
         num_local, num_loaded = self.loading.pop(request_id, (num_hit_tokens, 0))
+        num_shared, shared_from = connector.take_promoted(request_id) if num_loaded else (0, ())
         out.admissions.append(
             Admission(
                 request_id=request_id,
@@ -463,7 +464,8 @@ class Scheduler(Generic[P]):
                 num_free_blocks_after=manager.num_free_blocks,
                 watermark_applied=watermark_applied,
                 num_loaded_tokens=num_loaded,
-                num_shared_blocks=connector.take_promoted(request_id) if num_loaded else 0,
+                num_shared_blocks=num_shared,
+                shared_from=shared_from,
             )
         )
         return None, num_new_tokens

@@ -55,6 +55,7 @@ class Admission:
     watermark_applied: bool
     num_loaded_tokens: int = 0  # of its computed tokens, those the CPU tier loaded
     num_shared_blocks: int = 0  # of the blocks loaded, those promoted from the shared tier first
+    shared_from: tuple[str, ...] = ()  # the replicas that wrote those ("": not known)
 
 
 @dataclass(slots=True)

@@ -115,6 +115,8 @@ class Attr:
     LOADED_TOKENS = "kvledger.loaded.tokens"
     LOADED_BYTES = "kvledger.loaded.bytes"
     LOADED_SHARED_BLOCKS = "kvledger.loaded.shared_blocks"  # promoted from the shared tier first
+    LOADED_WAIT_S = "kvledger.loaded.wait_s"  # from its first copy out to its admission
+    LOADED_FROM_REPLICAS = "kvledger.loaded.from_replicas"  # who wrote its shared-tier blocks
     RECOMPUTED_TOKENS = "kvledger.recomputed.tokens"  # prompt tokens no tier held: computed
     # kvledger.route: the decision, then every replica's score as parallel arrays in one order
     ROUTE_POLICY = "kvledger.route.policy"

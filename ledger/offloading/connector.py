@@ -409,11 +409,13 @@ class OffloadingConnectorScheduler:
         """Shared-tier copies waiting for a step: one is due even with no request left."""
         return isinstance(self.manager, TieringManager) and self.manager.has_queued_work()
 
-    def take_promoted(self, req_id: str) -> int:
-        """Blocks promoted from the shared tier for this request since the last call."""
+    def take_promoted(self, req_id: str) -> tuple[int, tuple[str, ...]]:
+        """Blocks promoted from the shared tier for this request since the last call, and the
+        replicas that wrote them ("" where the writer is not known)."""
         if isinstance(self.manager, TieringManager):
-            return self.manager.promoted_for.pop(req_id, 0)
-        return 0
+            origins = self.manager.promoted_from.pop(req_id, set())
+            return self.manager.promoted_for.pop(req_id, 0), tuple(sorted(origins))
+        return 0, ()
 
     def update_shared_output(self, failed: Mapping[int, Sequence[int]]) -> None:
         """The workers' reports of the step's shared-tier copies (job id -> failed key indices)."""

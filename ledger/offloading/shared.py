@@ -53,10 +53,11 @@ class SharedTierIndex:
     eviction). Only a hint: a key the index holds may be gone by the time it is read (a load
     then fails and the block is recomputed), never the other way round for long."""
 
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "origin")
 
     def __init__(self, keys: Iterable[OffloadKey] = ()) -> None:
         self.keys: set[OffloadKey] = set(keys)
+        self.origin: dict[OffloadKey, str] = {}  # key -> the replica that wrote it, when known
 
     def __contains__(self, key: object) -> bool:
         return key in self.keys
@@ -64,14 +65,25 @@ class SharedTierIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def add(self, keys: Iterable[OffloadKey]) -> None:
+    def add(
+        self, keys: Iterable[OffloadKey], origins: Mapping[OffloadKey, str] | None = None
+    ) -> None:
         self.keys.update(keys)
+        if origins:
+            for key, replica in origins.items():
+                self.origin.setdefault(key, replica)
 
     def discard(self, keys: Iterable[OffloadKey]) -> None:
+        keys = list(keys)
         self.keys.difference_update(keys)
+        for key in keys:
+            self.origin.pop(key, None)
 
-    def replace(self, keys: Iterable[OffloadKey]) -> None:
+    def replace(
+        self, keys: Iterable[OffloadKey], origins: Mapping[OffloadKey, str] | None = None
+    ) -> None:
         self.keys = set(keys)
+        self.origin = dict(origins or {})
 
 
 @dataclass(slots=True)
@@ -109,6 +121,7 @@ class TieringManager:
         locality: str | None = "REMOTE",
         delete_evicted: bool = False,
         max_blocks_per_step: int = MAX_BLOCKS_PER_STEP,
+        replica: str = "",
     ) -> None:
         assert locality is None or locality in LOCALITIES, locality
         self.primary = primary
@@ -118,6 +131,7 @@ class TieringManager:
         # evictions drop their data in the catalog's own script.
         self.delete_evicted = delete_evicted
         self.max_blocks_per_step = max_blocks_per_step
+        self.replica = replica  # this ledger's: the writer of what it cascades
         self.stats = SharedTierStats()
         self.events: list[OffloadingEvent] = []
         self.next_job_id = 0
@@ -128,8 +142,10 @@ class TieringManager:
         self.promoting: set[OffloadKey] = set()  # queued or in flight
         self.cascading: set[OffloadKey] = set()
         self.changes = CatalogChanges()
-        # Blocks promoted for each request, until its admission reads them (its trace says so).
+        # Blocks promoted for each request and who wrote them, until its admission reads them
+        # (its trace says so).
         self.promoted_for: dict[str, int] = {}
+        self.promoted_from: dict[str, set[str]] = {}
 
     # --- what the connector reads of the CPU manager ---
 
@@ -210,6 +226,7 @@ class TieringManager:
     def on_request_finished(self, context: RequestContext) -> None:
         self.primary.on_request_finished(context)
         self.promoted_for.pop(context.req_id, None)
+        self.promoted_from.pop(context.req_id, None)
 
     def ready_keys(self) -> list[OffloadKey]:
         return self.primary.ready_keys()
@@ -259,6 +276,10 @@ class TieringManager:
             self.changes.touches.extend(good)
             self.stats.promotions += len(good)
             self.promoted_for[context.req_id] = self.promoted_for.get(context.req_id, 0) + len(good)
+            origin = self.index.origin
+            self.promoted_from.setdefault(context.req_id, set()).update(
+                origin.get(key, "") for key in good
+            )
         if bad:
             # Released unannounced (the CPU tier never held them); the tier does not hold them
             # either: forgotten here, removed from the catalog, published as gone.
@@ -274,7 +295,7 @@ class TieringManager:
         self.cascading.difference_update(job.keys)
         self.primary.unpin(job.keys)
         if good:
-            self.index.add(good)
+            self.index.add(good, dict.fromkeys(good, self.replica))
             self.changes.commits.extend(good)
             self.stats.cascades += len(good)
             self._event(good, removed=False)
@@ -304,9 +325,14 @@ class TieringManager:
             self.index.discard(keys)
             self._event(keys, removed=True)
 
-    def apply_catalog(self, stored: Iterable[OffloadKey], removed: Iterable[OffloadKey]) -> None:
+    def apply_catalog(
+        self,
+        stored: Iterable[OffloadKey],
+        removed: Iterable[OffloadKey],
+        origins: Mapping[OffloadKey, str] | None = None,
+    ) -> None:
         """What the catalog says changed (this ledger's writes and every other replica's)."""
-        self.index.add(stored)
+        self.index.add(stored, origins)
         self.index.discard(removed)
 
     def _event(self, keys: list[OffloadKey], removed: bool) -> None:
@@ -332,3 +358,4 @@ class TieringManager:
         self.promoting.clear()
         self.cascading.clear()
         self.promoted_for.clear()
+        self.promoted_from.clear()

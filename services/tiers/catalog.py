@@ -12,6 +12,8 @@ catalog atomically on a single server or a Redis Cluster alike:
     <base>:seq     the log's last sequence number
     <base>:fence   replica -> the highest leader token that wrote: a deposed leader's writes
                    (a lower token for the same replica) are refused
+    <base>:origin  key -> the replica that first wrote it (a request's trace names who computed
+                   what it loaded); the log's entries carry their writer too (`w`)
 
 A ledger writes what its workers did (`apply`): the blocks they cascaded (committed: listed,
 their Redis values kept for good), those a load found missing or corrupt (removed, values
@@ -56,13 +58,14 @@ local function log(op, list)
   for _, k in ipairs(list) do parts[#parts + 1] = string.char(#k) .. k end
   local seq = redis.call('INCR', KEYS[5])
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', maxlen, '*', 'op', op, 'n', seq,
-             'k', table.concat(parts))
+             'k', table.concat(parts), 'w', ARGV[1])
 end
 local added, removed = {}, {}
 for i = 11, 10 + nc do
   local k = ARGV[i]
   if redis.call('ZADD', KEYS[1], 'NX', now, k) == 1 then
     added[#added + 1] = k
+    redis.call('HSET', KEYS[6], k, ARGV[1])
   else
     redis.call('ZADD', KEYS[1], 'XX', now, k)
   end
@@ -71,6 +74,7 @@ end
 for i = 11 + nc, 10 + nc + nr do
   local k = ARGV[i]
   if redis.call('ZREM', KEYS[1], k) == 1 then removed[#removed + 1] = k end
+  redis.call('HDEL', KEYS[6], k)
   each_value(k, 'DEL')
 end
 for i = 11 + nc + nr, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i]) end
@@ -80,6 +84,7 @@ while total > max_bytes do
   local popped = redis.call('ZPOPMIN', KEYS[1], 1)
   if #popped == 0 then break end
   victims[#victims + 1] = popped[1]
+  redis.call('HDEL', KEYS[6], popped[1])
   each_value(popped[1], 'DEL')
   total = redis.call('DECRBY', KEYS[3], bpb)
 end
@@ -163,6 +168,7 @@ class CatalogChange:
     stored: list[bytes]
     removed: list[bytes]
     reloaded: bool = False
+    origins: dict[bytes, str] = field(default_factory=dict)  # stored key -> its first writer
 
 
 class CatalogFollower:
@@ -180,39 +186,48 @@ class CatalogFollower:
     def restart(self) -> None:
         self.loaded = False
 
-    async def load(self) -> list[bytes]:
-        """Every key the index holds, and the log position that state is at."""
+    async def load(self) -> CatalogChange:
+        """Every key the index holds (with its writer), and the log position that state is at."""
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.zrange(self.keys.index, 0, -1)
+            pipe.hgetall(self.keys.origin)
             pipe.get(self.keys.seq)
             pipe.xrevrange(self.keys.log, "+", "-", count=1)
-            members, seq, last = await pipe.execute()
+            members, origins, seq, last = await pipe.execute()
         self.seq = int(seq or 0)
         self.last_id = _id(last[0][0]) if last else "0-0"
         self.loaded = True
-        return [bytes(m) for m in members]
+        return CatalogChange(
+            [bytes(m) for m in members], [], reloaded=True,
+            origins={bytes(k): v.decode() for k, v in origins.items()},
+        )  # fmt: skip
 
     async def poll(self, block_ms: int | None = None, count: int = 1000) -> CatalogChange | None:
         """The changes since the last call, None if none; the first time, and after a gap in
         the log (trimmed past this follower), the whole index (`reloaded`)."""
         if not self.loaded:
-            return CatalogChange(await self.load(), [], reloaded=True)
+            return await self.load()
         reply: Any = await self.r.xread({self.keys.log: self.last_id}, count=count, block=block_ms)
         if not reply:
             return None
         last: dict[bytes, bool] = {}  # key -> stored (True) or removed, by its last change
+        origins: dict[bytes, str] = {}
         for _stream, entries in reply:
             for entry_id, fields in entries:
                 seq = int(fields.get(b"n", b"0"))
                 if seq != self.seq + 1:
-                    return CatalogChange(await self.load(), [], reloaded=True)
+                    return await self.load()
                 self.seq, self.last_id = seq, _id(entry_id)
                 stored = fields.get(b"op") == b"s"
+                writer = fields.get(b"w", b"").decode()
                 for key in unpack_keys(fields.get(b"k", b"")):
                     last[key] = stored
+                    if stored:
+                        origins.setdefault(key, writer)
         return CatalogChange(
             [key for key, stored in last.items() if stored],
             [key for key, stored in last.items() if not stored],
+            origins={key: origins[key] for key, stored in last.items() if stored},
         )
 
 

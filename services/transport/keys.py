@@ -141,9 +141,14 @@ class SharedTierKeys:
         return f"{self.base}:fence"
 
     @property
+    def origin(self) -> str:
+        """Hash: offload key -> the replica that first wrote the block (a trace names it)."""
+        return f"{self.base}:origin"
+
+    @property
     def catalog(self) -> list[str]:
         """The catalog's keys, as its script takes them."""
-        return [self.index, self.log, self.size, self.fence, self.seq]
+        return [self.index, self.log, self.size, self.fence, self.seq, self.origin]
 
     @property
     def data_prefix(self) -> bytes:

@@ -324,6 +324,8 @@ async def test_a_requests_trace_says_what_it_loaded_from_which_tier_and_what_it_
     assert attributes["kvledger.loaded.bytes"] == 4 * BLOCK_BYTES
     assert attributes["kvledger.recomputed.tokens"] == 8
     assert attributes["kvledger.prefix_hit.tokens"] == 0  # B's GPU had none of it
+    assert attributes["kvledger.loaded.from_replicas"] == ["ra"]  # A computed it
+    assert 0 < attributes["kvledger.loaded.wait_s"] < 30  # promotion, then the CPU load
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

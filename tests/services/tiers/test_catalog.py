@@ -96,6 +96,20 @@ async def test_a_deposed_leaders_writes_are_refused(r):
     assert await r.zscore(catalog.index, k(3)) is not None
 
 
+async def test_the_catalog_names_who_wrote_each_block_in_its_log_and_after_a_reload(r):
+    catalog = keys()
+    follower = CatalogFollower(r, catalog)
+    await follower.poll()
+    await CatalogWriter(r, catalog, "r0", max_bytes=10_000).apply(1, 100, commits=[k(1)])
+    await CatalogWriter(r, catalog, "r1", max_bytes=10_000).apply(1, 100, commits=[k(1), k(2)])
+    change = await follower.poll()
+    assert change.origins == {k(1): "r0", k(2): "r1"}  # the first writer stays
+    reloaded = await CatalogFollower(r, catalog).poll()
+    assert reloaded.reloaded and reloaded.origins == {k(1): "r0", k(2): "r1"}
+    await CatalogWriter(r, catalog, "r1", max_bytes=10_000).apply(1, 100, removals=[k(1)])
+    assert await r.hgetall(catalog.origin) == {k(2): b"r1"}
+
+
 async def test_a_follower_past_a_gap_reads_the_whole_index_again(r):
     catalog = keys()
     writer = CatalogWriter(r, catalog, "r0", max_bytes=10_000)
