@@ -414,6 +414,8 @@ class Engine:
         if result.transfer_seconds:  # the CPU tier's copies, as the workers timed them
             load_s, store_s = result.transfer_seconds[:2]
             self.metrics.record_tier_transfer_time(load_s=load_s, store_s=store_s)
+        if result.shared_seconds:  # the shared tier's, likewise
+            self.metrics.record_shared_tier_time(*result.shared_seconds[:2])
         if out.is_empty:
             return  # the CPU tier's copies alone: no step cost to learn from
         # The time this step held the pipeline: from its dispatch, or from the previous step's

@@ -140,6 +140,10 @@ class StepResults:
                 for job_id, indices in reported.items():
                     failed[job_id].update(indices)  # a key is there only if every rank wrote it
             primary.shared_failed = {job_id: sorted(bad) for job_id, bad in failed.items()}
+            # The step waited for the slowest worker's copies.
+            timed = [r.shared_seconds for r in results.values() if r.shared_seconds]
+            if timed:
+                primary.shared_seconds = [max(t[0] for t in timed), max(t[1] for t in timed)]
         got = set(primary.sampled_token_ids)
         if got != out.sampling_req_ids:
             log.error(

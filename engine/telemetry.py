@@ -148,7 +148,10 @@ class LedgerTelemetry:
         self._stores_skipped_seen = 0
         # A CPU-tier chunk's bytes: one block of every worker (the engine sets it once sized).
         self.tier_bytes_per_block = 0
-        # req_id -> when its first load or promotion went out (sampled requests' admissions).
+        self._shared_blocks_seen = (
+            0,
+            0,
+        )  # shared-tier blocks (promoted, cascaded) counted        # req_id -> when its first load or promotion went out (sampled requests' admissions).
         self.loads_since: dict[str, int] = {}
         self._prompt_computed_seen = 0
         self._evicted_blocks = 0
@@ -621,6 +624,13 @@ class LedgerTelemetry:
         tiering = connector.manager
         if isinstance(tiering, TieringManager):
             shared = tiering.stats
+            read, written = self._shared_blocks_seen
+            if (shared.promotions, shared.cascades) != (read, written):
+                self.metrics.record_shared_tier_bytes(
+                    (shared.promotions - read) * self.tier_bytes_per_block,
+                    (shared.cascades - written) * self.tier_bytes_per_block,
+                )
+                self._shared_blocks_seen = (shared.promotions, shared.cascades)
             self.metrics.record_shared_tier(
                 {
                     "promoted_blocks": shared.promotions,

@@ -164,14 +164,18 @@ class WorkerSharedTier:
         self.rank = rank
         self.tp_size = tp_size
         self.blocks_read = self.blocks_written = self.failures = 0
+        self.seconds = [0.0, 0.0]  # the last step's [reads (promotions), writes (cascades)]
 
     async def run(self, transfers: KVTransfers, host: HostKVTier) -> dict[int, list[int]]:
         namespace = transfers.shared_namespace
         failed: dict[int, list[int]] = {}
+        started = time.perf_counter()
         for job in transfers.promotions:
             failed[job.job_id] = await self._promote(namespace, job.keys, job.chunks, host)
+        read = time.perf_counter()
         for job in transfers.cascades:
             failed[job.job_id] = await self._cascade(namespace, job.keys, job.chunks, host)
+        self.seconds = [read - started, time.perf_counter() - read]
         if transfers.shared_deletes:
             try:
                 await self.backend.delete(namespace, transfers.shared_deletes, self.rank)

@@ -325,12 +325,15 @@ class WorkerService:
         failed: dict[str, str] | None = None
         output = StepOutput({}, None, 0)
         shared_failed: dict[int, list[int]] | None = None
+        shared_seconds: list[float] | None = None
         try:
             unformed = await self.tp_group.ensure(step.epoch)
             if unformed is not None:
                 raise StepError(unformed)
             output = self.runner.run_step(step)
             shared_failed = await self._shared_copies(step)
+            if shared_failed is not None and self.shared is not None:
+                shared_seconds = self.shared.seconds
         except RequestsFailed as exc:
             error, failed = (
                 f"step {step.step_id} failed on {len(exc.errors)} request(s)",
@@ -362,6 +365,7 @@ class WorkerService:
             failed_requests=failed,
             transfers_done=output.transfers_done,
             shared_failed=shared_failed,
+            shared_seconds=shared_seconds,
             transfer_seconds=output.transfer_seconds,
         )
 

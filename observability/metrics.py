@@ -226,6 +226,20 @@ class LedgerMetrics:
             )
         }  # fmt: skip
         self._shared_seen: dict[str, int] = dict.fromkeys(self._shared_counters, 0)
+        # vLLM's tiering metrics (its TieringOffloadingManager's secondary tiers), tier "shared".
+        self._tiering = {
+            name: Counter(name, doc, (*VLLM_LABELS, "tier"), registry=registry).labels(
+                **self.labels, tier="shared"
+            )
+            for name, doc in (
+                ("vllm:kv_offload_tiering_read_bytes", "Bytes read from a secondary tier."),
+                ("vllm:kv_offload_tiering_read_time", "Seconds spent reading from a secondary "
+                 "tier."),
+                ("vllm:kv_offload_tiering_write_bytes", "Bytes written to a secondary tier."),
+                ("vllm:kv_offload_tiering_write_time", "Seconds spent writing to a secondary "
+                 "tier."),
+            )
+        }  # fmt: skip
         self._shared_size = Gauge(
             "kvledger:shared_tier_size",
             "What the shared tier's catalog lists, in blocks and bytes (every replica's).",
@@ -307,6 +321,15 @@ class LedgerMetrics:
             if total > self._shared_seen[name]:
                 counter.inc(total - self._shared_seen[name])
                 self._shared_seen[name] = total
+
+    def record_shared_tier_bytes(self, read: int, written: int) -> None:
+        self._tiering["vllm:kv_offload_tiering_read_bytes"].inc(read)
+        self._tiering["vllm:kv_offload_tiering_write_bytes"].inc(written)
+
+    def record_shared_tier_time(self, read_s: float, write_s: float) -> None:
+        """One step's shared-tier copies, as its slowest worker timed them."""
+        self._tiering["vllm:kv_offload_tiering_read_time"].inc(read_s)
+        self._tiering["vllm:kv_offload_tiering_write_time"].inc(write_s)
 
     def set_shared_tier_size(self, blocks: int, size_bytes: int) -> None:
         self._shared_size.labels(**self.labels, unit="blocks").set(blocks)

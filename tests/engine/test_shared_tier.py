@@ -124,6 +124,12 @@ async def test_a_block_computed_on_one_replica_is_loaded_by_another(
         await until(lambda: metric(a, "kvledger:shared_tier_cascaded_blocks_total") == 12)
         await until(lambda: metric(a, "kvledger:shared_tier_size", unit="blocks") == 12)
         assert metric(b, "kvledger:shared_tier_promotion_failures_total") == 0
+        # vLLM's tiering names: the bytes moved, and the time the workers' copies took.
+        tier = {"tier": "shared"}
+        assert metric(b, "vllm:kv_offload_tiering_read_bytes_total", **tier) == 12 * BLOCK_BYTES
+        assert metric(a, "vllm:kv_offload_tiering_write_bytes_total", **tier) == 12 * BLOCK_BYTES
+        assert metric(b, "vllm:kv_offload_tiering_read_time_total", **tier) > 0
+        assert metric(a, "vllm:kv_offload_tiering_write_time_total", **tier) > 0
         # Every GPU block ends free on both replicas.
         for stack in (a, b):
             await until(lambda s=stack: s.ledger.manager.block_pool.get_num_free_blocks() == 23)
