@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.engine import build_connector  # noqa: E402
+from engine.tiers import build_connector  # noqa: E402
 from engine.translate import build_step_message  # noqa: E402
 from ledger.hashing import BlockHasher  # noqa: E402
 from ledger.kv_cache_manager import KVCacheManager  # noqa: E402
