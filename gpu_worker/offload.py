@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kernels import KVCache
@@ -38,6 +39,7 @@ class HostKVTier:
             for layer in kv_caches
         ]
         self.bytes_per_chunk = sum(k[0].nbytes + v[0].nbytes for k, v in self.buffers)
+        self._bytes: list[np.ndarray] | None = None
         self.loads = self.stores = self.blocks_loaded = self.blocks_stored = 0
 
     def check(self, transfers: KVTransfers, num_blocks: int) -> None:
@@ -81,24 +83,30 @@ class HostKVTier:
                         f"{kind} job {job.job_id}: chunk {bad} is outside 0..{self.num_chunks - 1}"
                     )
 
+    def _byte_views(self) -> list[np.ndarray]:
+        """Every buffer as bytes, one row per chunk (numpy views of the same memory: a copy in
+        or out is one call each, not a tensor op's dispatch)."""
+        if self._bytes is None:
+            self._bytes = [
+                buffer.view(torch.uint8).reshape(self.num_chunks, -1).numpy()
+                for layer in self.buffers
+                for buffer in layer
+            ]
+        return self._bytes
+
     def chunk_bytes(self, chunk_id: int) -> bytes:
         """One chunk as the shared tier keeps it: every layer's K then V, in layer order."""
-        return b"".join(
-            buffer[chunk_id].view(torch.uint8).numpy().tobytes()
-            for layer in self.buffers
-            for buffer in layer
-        )
+        return b"".join(row[chunk_id].tobytes() for row in self._byte_views())
 
     def write_chunk(self, chunk_id: int, payload: bytes | memoryview) -> None:
         """Fill one chunk from the shared tier's bytes (`chunk_bytes`' layout, checked length)."""
         assert len(payload) == self.bytes_per_chunk, (len(payload), self.bytes_per_chunk)
-        source = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        source = np.frombuffer(payload, dtype=np.uint8)
         at = 0
-        for layer in self.buffers:
-            for buffer in layer:
-                target = buffer[chunk_id].view(torch.uint8).view(-1)
-                target.copy_(source[at : at + target.numel()])
-                at += target.numel()
+        for rows in self._byte_views():
+            width = rows.shape[1]
+            rows[chunk_id] = source[at : at + width]
+            at += width
 
     def before_forward(self, transfers: KVTransfers, kv_caches: Sequence[KVCache]) -> list[int]:
         """The flushed stores (their blocks are written by this step), then the loads."""
