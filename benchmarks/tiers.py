@@ -14,6 +14,7 @@ distinct blocks, the tier holds all of them (or `--tier-blocks`).
     .venv/bin/python benchmarks/tiers.py                                  # requests 3000-3199
     .venv/bin/python benchmarks/tiers.py --first 0 --count 400 --policy arc
     .venv/bin/python benchmarks/tiers.py --model smollm2 --repeats 3 --shared --json benchmarks/results/tiers-smollm2.json
+    .venv/bin/python benchmarks/tiers.py --model smollm2 --first 0 --count 3993 --no-bound   # ~1 h
 
 `--repeats N` runs the settings N times, interleaved (each repetition every setting in turn, the
 order rotated), and reports each figure's median with its range.
@@ -189,6 +190,8 @@ async def main_async(args: argparse.Namespace) -> list[Figures]:
         (f"CPU tier, {args.policy}", gpu, tier),
         ("GPU holds all (bound)", max(distinct + needed, gpu), 0),
     ]
+    if args.no_bound:
+        settings.pop()
     if args.shared:
         settings.append(("shared tier, second replica", gpu, tier))
     results = []
@@ -351,6 +354,9 @@ def main() -> None:
         "--model", default="tiny", help="tiny (the seeded Llama) or smollm2 (SmolLM2-135M, float32)"
     )
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repetitions")
+    parser.add_argument(
+        "--no-bound", action="store_true", help="leave out the GPU holding every block"
+    )
     parser.add_argument(
         "--shared", action="store_true",
         help="also: a second replica loading the first's blocks from a shared tier (Redis)",
