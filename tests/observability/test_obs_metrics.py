@@ -88,9 +88,14 @@ def test_ledger_exposition_has_vllms_names_labels_and_values() -> None:
     assert b'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 2.0\n' in text
     assert b'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-llama"} 64.0\n' in text
     assert b"# TYPE vllm:kv_cache_usage_perc gauge\n" in text
+    # vLLM's labels: model_name and engine, and its tiering metrics (TieringOffloadingMetrics,
+    # labelled with TIER_LABEL in vllm/v1/kv_offload/tiering/spec.py) a tier besides.
+    tiering = "vllm:kv_offload_tiering_"
     for name, labels in samples:
         if name.startswith("vllm:"):
-            assert {k for k, _ in labels} - {"le"} == {"model_name", "engine"}, name
+            expected = {"model_name", "engine"} | ({"tier"} if name.startswith(tiering) else set())
+            assert {k for k, _ in labels} - {"le"} == expected, name
+    assert _value(samples, "vllm:kv_offload_tiering_read_bytes_total", tier="shared") == 0
 
 
 def test_gateway_exposition_has_request_metrics_with_vllms_names() -> None:
