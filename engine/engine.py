@@ -135,7 +135,7 @@ class Engine:
             connector = build_connector(
                 config.offloading, self.num_cpu_chunks, config.block_size,
                 shared=config.kv_shared_tier, locality=config.kv_shared_tier_locality,
-                replica=config.replica,
+                replica=config.replica, bytes_per_block=plan.bytes_per_block,
             )  # fmt: skip
             if isinstance(connector.manager, TieringManager):
                 self.shared = shared_tier_shell(

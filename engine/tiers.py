@@ -27,11 +27,13 @@ def build_connector(
     shared: SharedTierSpec | None = None,
     locality: str | None = "REMOTE",
     replica: str = "",
+    bytes_per_block: int = 0,
 ) -> OffloadingConnectorScheduler:
     """The CPU tier's books and decisions (ledger.offloading), configured as vLLM's, with the
     shared tier behind it when `shared` is given. Every worker of a step reports its copies
     with the step's result, and the step counts only once all of them did: the connector hears
-    one report per copy."""
+    one report per copy. `bytes_per_block`: one GPU block's KV on one worker (the sync-load
+    budget's unit, as vLLM's kv_bytes_per_token)."""
     cpu = CPUOffloadingManager(
         num_cpu_chunks,
         offloading.eviction_policy,
@@ -45,7 +47,12 @@ def build_connector(
             cpu, locality=locality, delete_evicted=shared.backend == "dir", replica=replica
         )
     return OffloadingConnectorScheduler(
-        manager, block_size, num_workers=1, offload_prompt_only=offloading.offload_prompt_only
+        manager,
+        block_size,
+        num_workers=1,
+        offload_prompt_only=offloading.offload_prompt_only,
+        sync_load_budget_bytes=offloading.sync_load_budget_bytes,
+        kv_bytes_per_token=bytes_per_block // block_size,
     )
 
 

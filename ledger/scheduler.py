@@ -109,6 +109,7 @@ class Scheduler(Generic[P]):
         # they are admitted before any other waiting request (vLLM's kv_holding_waiting).
         self.holding: dict[str, Request[P]] = {}
         self.num_loads = 0
+        self.num_sync_loads = 0  # of them, loaded within the step that computes the rest
         self.num_loaded_tokens = 0
         self.num_loaded_blocks = 0
         self.num_stored_blocks = 0
@@ -439,20 +440,23 @@ class Scheduler(Generic[P]):
             )
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed  # loaded blocks count as cached
+        if num_external:
+            self.num_loads += 1
+            self.num_sync_loads += not load_async
+            self.num_loaded_tokens += num_external
         if load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.num_computed_tokens = num_computed
             self.holding[request_id] = request
             self.loading[request_id] = (num_hit_tokens, num_external)
-            self.num_loads += 1
-            self.num_loaded_tokens += num_external
             return None, 0
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         self.running.append(request)
         out.num_scheduled_tokens[request_id] = num_new_tokens
-        num_local, num_loaded = self.loading.pop(request_id, (num_hit_tokens, 0))
+        # Loaded in an earlier step (async), or within this one (a sync load), or nothing.
+        num_local, num_loaded = self.loading.pop(request_id, (num_hit_tokens, num_external))
         num_shared, shared_from = connector.take_promoted(request_id) if num_loaded else (0, ())
         out.admissions.append(
             Admission(

@@ -336,6 +336,8 @@ class OffloadingConfig:
     store_threshold: int = 0  # >= 2: a block is stored once offered that many times
     max_tracker_size: int = 64_000
     offload_prompt_only: bool = True
+    # KV bytes per step (on each worker) loaded within the step instead of before it; 0: none.
+    sync_load_budget_bytes: int = 0
 
 
 # kv_connector_extra_config keys kvledger honours: name -> (JSON types, what else it must be).
@@ -345,6 +347,7 @@ _EXTRA_TYPES: dict[str, tuple[type, ...]] = {
     "store_threshold": (int,),
     "max_tracker_size": (int,),
     "offload_prompt_only": (bool,),
+    "sync_load_budget_bytes": (int,),
     "block_size": (int,),
     "blocks_per_chunk": (int,),
     "spec_name": (str,),
@@ -414,8 +417,9 @@ def parse_kv_transfer_config(text: str) -> dict[str, Any]:
     for key in ("cpu_bytes_to_use", "max_tracker_size"):
         if key in extra and extra[key] <= 0:
             raise ValueError(f"field 'kv_connector_extra_config.{key}': must be positive")
-    if extra.get("store_threshold", 0) < 0:
-        raise ValueError("field 'kv_connector_extra_config.store_threshold': must be >= 0")
+    for key in ("store_threshold", "sync_load_budget_bytes"):
+        if extra.get(key, 0) < 0:
+            raise ValueError(f"field 'kv_connector_extra_config.{key}': must be >= 0")
     return dict(extra)
 
 
@@ -454,6 +458,7 @@ def offloading_config(
         store_threshold=int(extra.get("store_threshold", 0)),
         max_tracker_size=int(extra.get("max_tracker_size", 64_000)),
         offload_prompt_only=bool(extra.get("offload_prompt_only", True)),
+        sync_load_budget_bytes=int(extra.get("sync_load_budget_bytes", 0)),
     )
 
 
@@ -555,7 +560,8 @@ class CPUTierShape(EngineShape):
         '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
         '{"eviction_policy": "arc", "cpu_bytes_to_use": 4294967296}}\' (extra config keys: '
         "cpu_bytes_to_use, eviction_policy lru or arc, store_threshold, max_tracker_size, "
-        "offload_prompt_only; --kv-offloading-size sets cpu_bytes_to_use)",
+        "offload_prompt_only, sync_load_budget_bytes (KV bytes a step loads within itself, "
+        "per worker; 0: loads wait a step); --kv-offloading-size sets cpu_bytes_to_use)",
         parse_kv_transfer_config,
         flags=("--kv-transfer-config",),
     )

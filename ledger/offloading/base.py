@@ -135,13 +135,15 @@ class TransferJob:
 
     A load copies chunks `src` into GPU blocks `dst`; a store copies GPU blocks `src` into
     chunks `dst`. `first_block_index` is the position of the first GPU block in the request's
-    block table (vLLM's GPULoadStoreSpec.block_indices, one group).
+    block table (vLLM's GPULoadStoreSpec.block_indices, one group). A `sync` load is copied
+    before the forward pass of the step it is issued in, whose request computes in that step.
     """
 
     req_id: str
     src: list[int]
     dst: list[int]
     first_block_index: int
+    sync: bool = False
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 The configuration kvledger runs: one full-attention KV-cache group, offloaded block size equal to
 the GPU block size (a chunk is one block), no sliding window, every chunk (not whole requests),
-no sync-load budget. The scheduler calls it as vLLM's calls its connector:
+and vLLM's optional sync-load budget. The scheduler calls it as vLLM's calls its connector:
 
     on_new_request(request)                      a request arrives
     get_num_new_matched_tokens(request, n)       tokens past the n locally cached ones that the
@@ -21,6 +21,14 @@ it; blocks loaded from the tier are not offered back. A store reads GPU blocks a
 that computed them, so when a finished request's block is handed to another request while its
 store is still in flight, that job is flushed (the worker completes it before the block is
 overwritten); a preempted request's stores are flushed likewise.
+
+Loads are asynchronous, as vLLM's are by default: the request waits (WAITING_FOR_REMOTE_KVS)
+while its load is issued in one step and reported with that step's result, and computes in a
+later step. With a sync-load budget (`sync_load_budget_bytes`, vLLM's extra config key: KV bytes
+per step, per worker) a hit that fits what is left of the step's budget and leaves at least one
+token to compute loads *within* the step instead: the workers copy it before the forward pass
+that computes the rest of the prompt, so the request is admitted in the step that loads it. Its
+blocks are cached at allocation (their hashes set), so the load matches them by position.
 
 Order matters and follows vLLM: finished requests are visited in the iteration order of the
 scheduler output's `finished_req_ids` set, and a store's keys complete in the order of a set, so
@@ -63,6 +71,8 @@ class JobStatus:
     is_store: bool
     # A store's source blocks, watched for reuse once the request has finished.
     source_block_ids: list[int] = field(default_factory=list)
+    # A sync load (done within the step it is issued in): stores may be issued beside it.
+    is_sync_load: bool = False
 
 
 @dataclass(slots=True)
@@ -106,11 +116,17 @@ class OffloadingConnectorScheduler:
         num_workers: int = 1,
         offload_prompt_only: bool = True,
         enable_prefix_caching: bool = True,
+        sync_load_budget_bytes: int = 0,
+        kv_bytes_per_token: int = 0,
     ) -> None:
         self.manager = manager
         self.block_size = block_size
         self.num_workers = num_workers
         self.offload_prompt_only = offload_prompt_only
+        # KV bytes a step may load within itself, on each worker (0: every load is async), and
+        # what a token's KV is on one worker (all layers, K and V).
+        self.sync_load_budget_bytes = sync_load_budget_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.requests: dict[str, RequestState] = {}
         self.jobs: dict[int, JobStatus] = {}
         self.next_job_id = 0
@@ -124,6 +140,9 @@ class OffloadingConnectorScheduler:
         self._batch_load_jobs: dict[int, TransferJob] = {}
         self._batch_jobs_to_flush: set[int] = set()
         self._batch_allocated: set[int] = set()
+        # Requests loading within this step, and the KV bytes they load (on each worker).
+        self._batch_sync_loads: set[str] = set()
+        self._batch_sync_load_bytes = 0
         # The requests with chunks still to offer (next_stored_idx < max_stored_idx): the only
         # scheduled ones a step's stores visit. Under offload_prompt_only a request leaves it
         # once its prompt's blocks are offered, so decoding requests cost the stores nothing.
@@ -168,7 +187,28 @@ class OffloadingConnectorScheduler:
         state.update_offload_keys(self.block_size)
         state.num_local_tokens = num_computed_tokens
         hit = 0 if request.skip_reading_prefix_cache else self._lookup(state, max_num_new_tokens)
-        return hit, bool(hit)
+        sync_load = self._reserve_sync_load(request, num_computed_tokens, hit)
+        return hit, bool(hit) and not sync_load
+
+    def _reserve_sync_load(
+        self, request: Request, num_computed_tokens: int, num_hit_tokens: int | None
+    ) -> bool:
+        """Whether this hit loads within the step: it fits what is left of the step's budget and
+        leaves a token to compute (else the request could not be scheduled with it)."""
+        req_id = request.request_id
+        self._batch_sync_loads.discard(req_id)
+        if (
+            not self.sync_load_budget_bytes
+            or not num_hit_tokens
+            or num_computed_tokens + num_hit_tokens >= request.num_tokens
+        ):
+            return False
+        num_bytes = num_hit_tokens * self.kv_bytes_per_token
+        if self._batch_sync_load_bytes + num_bytes > self.sync_load_budget_bytes:
+            return False
+        self._batch_sync_load_bytes += num_bytes
+        self._batch_sync_loads.add(req_id)
+        return True
 
     def _lookup(self, state: RequestState, max_num_new_tokens: int | None) -> int | None:
         block_size, keys = self.block_size, state.offload_keys
@@ -209,15 +249,17 @@ class OffloadingConnectorScheduler:
         if num_external_tokens == 0:
             return
         state = self.requests[request.request_id]
+        sync_load = request.request_id in self._batch_sync_loads
         block_size = self.block_size
         num_local = state.num_local_tokens
         num_gpu_blocks = cdiv(num_local + num_external_tokens, block_size)
         assert len(blocks) >= num_gpu_blocks and num_local % block_size == 0
-        # The first block past the local hit that is not cached already.
+        # The first block past the local hit that is not cached already (a sync load's blocks
+        # were cached as they were allocated: the first past the local hit).
         load_start = num_gpu_blocks
         for index in range(cdiv(num_local, block_size), num_gpu_blocks):
             block = blocks[index]
-            if not block.is_null and block.block_hash is None:
+            if not block.is_null and (sync_load or block.block_hash is None):
                 load_start = index
                 break
         keys = state.offload_keys[load_start:num_gpu_blocks] if num_gpu_blocks > load_start else []
@@ -226,11 +268,16 @@ class OffloadingConnectorScheduler:
         chunk_ids = self.manager.prepare_load(keys, state.context)
         dst = [block.block_id for block in blocks[load_start:num_gpu_blocks]]
         job_id = self._new_job_id()
-        self._batch_load_jobs[job_id] = TransferJob(request.request_id, chunk_ids, dst, load_start)
+        self._batch_load_jobs[job_id] = TransferJob(
+            request.request_id, chunk_ids, dst, load_start, sync=sync_load
+        )
         assert not state.transfer_jobs, "a load is issued only when no transfer is in flight"
         state.transfer_jobs.add(job_id)
-        self.jobs[job_id] = JobStatus(request.request_id, self.num_workers, set(keys), False)
-        if self.keys_being_loaded is not None:
+        self.jobs[job_id] = JobStatus(
+            request.request_id, self.num_workers, set(keys), False, is_sync_load=sync_load
+        )
+        # A sync load is done before this step's forward pass: nobody waits for its keys.
+        if self.keys_being_loaded is not None and not sync_load:
             self.keys_being_loaded.update(keys)
 
     # --- the end of a step ---
@@ -264,6 +311,8 @@ class OffloadingConnectorScheduler:
             if not state.transfer_jobs:
                 self._forget_request(req_id)
         self._batch_load_jobs = {}
+        self._batch_sync_loads = set()
+        self._batch_sync_load_bytes = 0
         self._batch_jobs_to_flush = set()
         self._batch_allocated = set()
         return meta
@@ -338,7 +387,9 @@ class OffloadingConnectorScheduler:
                     source.append(block_id)
             self._set_next_stored(state, max(start, num_chunks))
             job_id = self._new_job_id()
-            assert all(self.jobs[j].is_store for j in state.transfer_jobs), "store while loading"
+            assert all(
+                self.jobs[j].is_store or self.jobs[j].is_sync_load for j in state.transfer_jobs
+            ), "store while loading"
             state.transfer_jobs.add(job_id)
             # A set of that set, as vLLM builds it: the order the keys complete in (and their
             # BlockStored events come out in) is this set's iteration order.

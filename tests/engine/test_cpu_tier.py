@@ -218,3 +218,30 @@ async def test_a_restarted_worker_takes_the_tier_with_it_and_the_ledger_forgets_
         assert not connector.jobs and not stack.ledger.scheduler.holding
     finally:
         await stack.stop()
+
+
+async def test_sync_loads_admit_a_loaded_request_in_the_step_that_loads_it(redis_url, tiny_model):
+    """vLLM's sync-load budget (kv_connector_extra_config.sync_load_budget_bytes): a hit that fits
+    it is copied before the forward pass of the step that admits its request, instead of a step
+    of its own before it. The tokens stay the dense model's."""
+    extra = {"sync_load_budget_bytes": 1 << 30}
+    on = await Stack(
+        redis_url, tiny_model, kv_offloading_size=TIER_GIB, kv_transfer_config=extra, **SETTINGS
+    ).start()
+    try:
+        tokens = await serve(on)
+        scheduler = on.ledger.scheduler
+        _, _, again = workload()
+        for i, prompt in enumerate(again):
+            assert tokens[f"b{i}"] == dense_greedy(tiny_model, prompt, 24), f"b{i}"
+        # Every load left a token to compute and fit the budget: none waited a step.
+        assert scheduler.num_loads > 0 and scheduler.num_sync_loads == scheduler.num_loads
+        assert scheduler.num_loaded_tokens >= 64
+        host = on.worker_services["w0"].runner.host_tier
+        assert host is not None and host.blocks_loaded * 16 == scheduler.num_loaded_tokens
+        assert any(r.final.num_cached_tokens >= 64 for r in on.results.values())
+        connector = scheduler.connector
+        assert connector is not None and not connector.jobs and not scheduler.holding
+        assert on.ledger.manager.num_free_blocks == 23 and not on.ledger.manager.req_to_blocks
+    finally:
+        await on.stop()

@@ -15,6 +15,7 @@ from ledger.offloading.policies import ARCPolicy, LRUPolicy
 from ledger.request import Request, RequestStatus
 from ledger.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.oracle.offload_replay import key_bytes
+from tests.oracle.offload_sim import KV_BYTES_PER_TOKEN
 
 
 class LedgerOffloadBackend:
@@ -116,7 +117,11 @@ class LedgerConnectorBackend:
         self.block_size = cfg["block_size"]
         manager = CPUOffloadingManager(cfg["num_chunks"], cfg["policy"], enable_events=True)
         self.sched = OffloadingConnectorScheduler(
-            manager, self.block_size, num_workers=cfg["num_workers"]
+            manager,
+            self.block_size,
+            num_workers=cfg["num_workers"],
+            sync_load_budget_bytes=cfg.get("sync_load_budget_bytes", 0),
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
         )
         self.reqs: dict[str, Request] = {}
         self.step = 0
@@ -171,7 +176,7 @@ class LedgerConnectorBackend:
         self.step += 1
         meta = self.sched.build_connector_meta(output)
         loads = [
-            [job_id, job.req_id, job.src, job.dst, [job.first_block_index]]
+            [job_id, job.req_id, job.src, job.dst, [job.first_block_index], job.sync]
             for job_id, job in meta.load_jobs.items()
         ]
         stores = [

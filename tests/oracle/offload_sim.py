@@ -7,7 +7,9 @@ running requests grown (preempted when no block is free), waiting ones admitted 
 prefix-cache hit and the connector's lookup (`get_num_new_matched_tokens`), loads issued
 (`update_state_after_alloc`) and waited for, then `build_connector_meta`. A job issued in step N
 is reported in step N+1, or later when the workload delays it (a flushed job never is); with
-two workers each reports separately. The GPU prefix cache is a bounded set of block hashes (the
+two workers each reports separately. A load the connector makes synchronous (a sync-load
+budget: the lookup says not async) is copied before the step's forward pass: its request runs
+in the step that loads it, and every worker reports the job with that step's result. The GPU prefix cache is a bounded set of block hashes (the
 connector never sees it, only the hit it yields); block ids are reused first-freed-first, so a
 finished request's blocks are reallocated while its stores are in flight.
 
@@ -24,6 +26,9 @@ from typing import Any, Protocol
 
 # Request states of the loop (the connector sees vLLM's statuses through the backend).
 WAITING, LOADING, RUNNING, FINISHED = "waiting", "loading", "running", "finished"
+# One token's KV on a worker in vLLM's side (FullAttentionSpec: 1 layer, 1 head of size 1, K and
+# V, float32): the sync-load budget's unit.
+KV_BYTES_PER_TOKEN = 8
 
 
 class Backend(Protocol):
@@ -73,6 +78,11 @@ def generate_workload(seed: int, num_requests: int = 40, **config: Any) -> dict[
         "abort_rate": rng.choice([0.0, 0.02, 0.05]),
         "reset_rate": rng.choice([0.0, 0.0, 0.01]),
     }
+    # The sync-load budget, in blocks, from a stream of its own (the other choices stay as they
+    # were before it existed): none in 3 of 7 workloads, else from a block or two a step (tight
+    # enough that two admissions in a step compete for it) to unbounded.
+    sync_blocks = random.Random(seed * 104729 + 3).choice([0, 0, 0, 3, 8, 24, 1 << 20])
+    cfg["sync_load_budget_bytes"] = sync_blocks * block_size * KV_BYTES_PER_TOKEN
     cfg.update(config)
     documents = [[rng.randrange(50) for _ in range(8 * block_size)] for _ in range(3)]
     requests = []
@@ -130,9 +140,9 @@ class Loop:
         while len(self.gpu_cache) > self.cfg["gpu_cache_blocks"]:
             del self.gpu_cache[next(iter(self.gpu_cache))]
 
-    def _report(self, job_id: int, delay: int) -> None:
+    def _report(self, job_id: int, delay: int, together: bool = False) -> None:
         workers = self.cfg["num_workers"]
-        if workers > 1 and self.rng.random() < 0.5:
+        if workers > 1 and not together and self.rng.random() < 0.5:
             self.reports.setdefault(self.step + delay, []).append((job_id, 1))
             self.reports.setdefault(self.step + delay + 1, []).append((job_id, workers - 1))
         else:
@@ -269,6 +279,7 @@ class Loop:
                     continue  # asked again next step
                 req["computed"] = local * bs
                 num_external = hit
+            sync_load = bool(num_external) and not load_async
             if load_async:
                 blocks = self._alloc(_cdiv(req["computed"] + num_external, bs) - len(req["blocks"]))
                 if blocks is None:
@@ -281,6 +292,8 @@ class Loop:
                 req["state"], req["loaded"] = LOADING, True
                 backend.set_state(rid, "waiting_for_kvs", req["computed"])
                 continue
+            if sync_load:
+                req["computed"] += num_external  # loaded before this step's forward pass
             n = min(len(req["tokens"]) - req["computed"], budget)
             blocks = self._alloc(_cdiv(req["computed"] + n, bs) - len(req["blocks"]))
             if blocks is None:
@@ -289,7 +302,7 @@ class Loop:
                 break
             req["blocks"].extend(blocks)
             table = [[b, i < req["computed"] // bs] for i, b in enumerate(req["blocks"])]
-            backend.after_alloc(rid, table, 0)
+            backend.after_alloc(rid, table, num_external if sync_load else 0)
             self.waiting.remove(rid)
             self.running.append(rid)
             req["state"] = RUNNING
@@ -302,8 +315,11 @@ class Loop:
         record["meta"] = meta
         flushed = set(meta["flush"])
         for job in meta["loads"]:
-            self.loads[job[0]] = (job[1], cfg["num_workers"])
-        for job in meta["loads"] + meta["stores"]:
+            if job[5]:  # sync: copied before the forward pass, reported with this step
+                self._report(job[0], 1, together=True)
+            else:
+                self.loads[job[0]] = (job[1], cfg["num_workers"])
+        for job in [load for load in meta["loads"] if not load[5]] + meta["stores"]:
             self._report(job[0], 1 + rng.randint(0, cfg["max_delay"]))
         for job_id in flushed:
             for when in list(self.reports):

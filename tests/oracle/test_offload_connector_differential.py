@@ -4,10 +4,10 @@ VllmConfig with kv_transfer_config set), driven directly by the same scheduler l
 
 offload_sim.Loop runs each random workload (prefix-sharing prompts, tight GPU pools with
 preemption, aborts, cache resets, one or two workers whose reports arrive a step or more later,
-`lru` and `arc`, 2 to 64 chunks) against each side in its own process with PYTHONHASHSEED=0
+`lru` and `arc`, 2 to 64 chunks, with and without vLLM's sync-load budget) against each side in its own process with PYTHONHASHSEED=0
 (vLLM orders finished requests and a store's keys by set iteration). Every step must match: each
 lookup's hit tokens and whether the load is async, the load and store jobs (request, chunk ids,
-GPU block ids, first block index), the jobs to flush, the KV-event bytes, each chunk's ref count
+GPU block ids, first block index, whether a load is done within its step), the jobs to flush, the KV-event bytes, each chunk's ref count
 and slot, the jobs in flight and the requests tracked. Planted bugs must be caught.
 `-m oracle_sweep` runs NUM_SWEEP more workloads.
 """
@@ -75,16 +75,18 @@ def test_offloading_connector_matches_vllm(connector_runs, workdir: Path) -> Non
     steps, mismatches = _compare(workloads, ours, theirs)
     records = [r for run in theirs for r in run]
     loads = sum(len(r["meta"]["loads"]) for r in records)
+    sync_loads = sum(1 for r in records for load in r["meta"]["loads"] if load[5])
     stores = sum(len(r["meta"]["stores"]) for r in records)
     flushed = sum(len(r["meta"]["flush"]) for r in records)
     deferred = sum(1 for r in records for m in r["matched"] if m[2] is None)
     print(
         f"\noffloading connector differential: {len(workloads)} workloads, {steps} steps, "
-        f"{loads} loads, {stores} stores, {flushed} flushes, {deferred} deferred lookups, "
+        f"{loads} loads ({sync_loads} within their step), {stores} stores, {flushed} flushes, {deferred} deferred lookups, "
         f"{len(mismatches)} mismatches"
     )
     assert not mismatches, mismatches[0]
     assert loads > 100 and stores > 500 and flushed > 5 and deferred > 20
+    assert 20 < sync_loads < loads - 50  # both kinds of load, under budgets tight and loose
     assert any(r.get("reset") for r in records)
     assert sum(r["events"].count("426c6f636b52656d6f766564") for r in records) > 50
 
@@ -123,8 +125,16 @@ def _finish_unsignaled(self: CPUOffloadingManager, context) -> None:
     return None
 
 
+def _sync_budget_per_request(
+    self: OffloadingConnectorScheduler, request, num_computed_tokens: int, num_hit_tokens
+) -> bool:
+    self._batch_sync_load_bytes = 0  # each request measured against the whole budget
+    return _reserve_sync_load(self, request, num_computed_tokens, num_hit_tokens)
+
+
 _lookup = CPUOffloadingManager.lookup
 _build_connector_meta = OffloadingConnectorScheduler.build_connector_meta
+_reserve_sync_load = OffloadingConnectorScheduler._reserve_sync_load
 
 PLANTED: dict[str, tuple[Any, str, Any]] = {
     "decode-blocks-stored": (
@@ -135,6 +145,11 @@ PLANTED: dict[str, tuple[Any, str, Any]] = {
     "pending-hit-loaded": (CPUOffloadingManager, "lookup", _pending_hit_loaded),
     "no-flush-on-reuse": (OffloadingConnectorScheduler, "build_connector_meta", _no_flush_on_reuse),
     "finish-unsignaled": (CPUOffloadingManager, "on_request_finished", _finish_unsignaled),
+    "sync-budget-per-request": (
+        OffloadingConnectorScheduler,
+        "_reserve_sync_load",
+        _sync_budget_per_request,
+    ),
 }
 
 

@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import msgspec
 import vllm
-from offload_sim import Loop
+from offload_sim import KV_BYTES_PER_TOKEN, Loop
 from vllm.config import (
     CacheConfig,
     KVEventsConfig,
@@ -63,7 +63,11 @@ class VllmConnectorBackend:
         )
         cache = CacheConfig(block_size=bs, enable_prefix_caching=True)
         cache.num_gpu_blocks = cfg["num_gpu_blocks"]
-        extra = {"cpu_bytes_to_use": cfg["num_chunks"] * PAGE, "eviction_policy": cfg["policy"]}
+        extra = {
+            "cpu_bytes_to_use": cfg["num_chunks"] * PAGE,
+            "eviction_policy": cfg["policy"],
+            "sync_load_budget_bytes": cfg.get("sync_load_budget_bytes", 0),
+        }
         vllm_config = VllmConfig(
             model_config=model,
             scheduler_config=SchedulerConfig(
@@ -88,6 +92,7 @@ class VllmConnectorBackend:
         self.sched = connector.connector_scheduler
         assert self.sched.manager._num_chunks == cfg["num_chunks"]
         assert self.sched.config.num_workers == cfg["num_workers"]
+        assert self.sched.config.kv_bytes_per_token == KV_BYTES_PER_TOKEN
         self.reqs: dict[str, Request] = {}
 
     def add(self, rid: str, prompt: list[int], hashes: list[bytes]) -> None:
@@ -139,6 +144,7 @@ class VllmConnectorBackend:
                 [int(x) for x in job.src_spec.block_ids],
                 [int(x) for x in job.dst_spec.block_ids],
                 list(job.dst_spec.block_indices),
+                job.sync,
             ]
             for job_id, job in meta.load_jobs.items()
         ]

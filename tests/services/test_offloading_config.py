@@ -62,11 +62,23 @@ def test_kv_transfer_config_takes_vllms_shape_and_the_size_overrides_its_bytes()
         (transfer(secondary_tiers=[]), "'kv_connector_extra_config.secondary_tiers'"),
         (transfer(store_threshold="2"), "'kv_connector_extra_config.store_threshold'"),
         (transfer(cpu_bytes_to_use=-1), "'kv_connector_extra_config.cpu_bytes_to_use'"),
+        (transfer(sync_load_budget_bytes=-1), "'kv_connector_extra_config.sync_load_budget_bytes'"),
+        (
+            transfer(sync_load_budget_bytes=1.5),
+            "'kv_connector_extra_config.sync_load_budget_bytes'",
+        ),
     ],
 )
 def test_kv_transfer_config_refuses_what_kvledger_does_not_run_by_field(text, named):
     with pytest.raises(ValueError, match=named):
         parse_kv_transfer_config(text)
+
+
+def test_the_sync_load_budget_is_vllms_key_and_off_by_default():
+    assert OffloadingConfig(cpu_bytes_to_use=1).sync_load_budget_bytes == 0
+    extra = parse_kv_transfer_config(transfer(sync_load_budget_bytes=1 << 26))
+    tier = LedgerConfig(kv_transfer_config=extra, kv_offloading_size=1).offloading
+    assert tier is not None and tier.sync_load_budget_bytes == 1 << 26
 
 
 def test_a_tier_without_a_size_or_of_another_block_size_is_refused():
