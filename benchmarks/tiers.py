@@ -16,6 +16,10 @@ distinct blocks, the tier holds all of them (or `--tier-blocks`).
     .venv/bin/python benchmarks/tiers.py --model smollm2 --repeats 3 --shared --json benchmarks/results/tiers-smollm2.json
     .venv/bin/python benchmarks/tiers.py --model smollm2 --first 0 --count 3993 --no-bound   # ~1 h
 
+`--sync-load-tokens N` adds the CPU tier with vLLM's sync-load budget (`sync_load_budget_bytes`
+of N tokens' KV a step): a hit that fits is copied before the forward pass of the step that
+admits its request, instead of in a step of its own before it (vLLM's async loads, the default).
+
 `--repeats N` runs the settings N times, interleaved (each repetition every setting in turn, the
 order rotated), and reports each figure's median with its range.
 
@@ -73,6 +77,8 @@ class Figures:
     prefill_tokens_computed: int
     loaded_blocks: int
     stored_blocks: int
+    loads: int  # requests that loaded blocks
+    sync_loads: int  # of them, loaded within the step that admitted them (a sync-load budget)
     shared_blocks: int  # of the loaded, those promoted from the shared tier
     preemptions: int
     ttft_p50_ms: float
@@ -108,7 +114,7 @@ class TimedStack(Stack):
 async def replay(
     url: str, model, turns: list[Turn], setting: str, gpu_blocks: int, tier_blocks: int,
     args: argparse.Namespace, repetition: int = 0, shared: SharedTierSpec | None = None,
-    prefix: str | None = None, replica: str = "default",
+    prefix: str | None = None, replica: str = "default", sync_load_tokens: int = 0,
 ) -> Figures:  # fmt: skip
     bytes_per_block = 2 * model.config.num_hidden_layers * model.num_local_kv_heads
     bytes_per_block *= BLOCK_SIZE * model.config.head_dim * 4  # float32
@@ -116,6 +122,9 @@ async def replay(
     if tier_blocks:
         tier["kv_offloading_size"] = tier_blocks * cdiv(bytes_per_block, 4096) * 4096 / 2**30
         tier["kv_transfer_config"] = {"eviction_policy": args.policy}
+        if sync_load_tokens:  # vLLM's budget is KV bytes a step, on one worker
+            budget = sync_load_tokens * bytes_per_block // BLOCK_SIZE
+            tier["kv_transfer_config"]["sync_load_budget_bytes"] = budget
     if shared is not None:
         tier["kv_shared_tier"] = shared
         tier["kv_shared_tier_size"] = 2 * tier_blocks * bytes_per_block
@@ -144,6 +153,7 @@ async def replay(
             requests=len(turns), prompt_tokens=sum(len(t.prompt_token_ids) for t in turns),
             prefill_tokens_computed=ledger.scheduler.num_prompt_tokens_computed,
             loaded_blocks=scheduler.num_loaded_blocks, stored_blocks=scheduler.num_stored_blocks,
+            loads=scheduler.num_loads, sync_loads=scheduler.num_sync_loads,
             shared_blocks=shared_promotions(scheduler),
             preemptions=scheduler.num_preemptions,
             ttft_p50_ms=round(statistics.median(ttft), 1),
@@ -186,27 +196,31 @@ async def main_async(args: argparse.Namespace) -> list[Figures]:
         flush=True,
     )
     settings = [
-        ("no tier (baseline)", gpu, 0),
-        (f"CPU tier, {args.policy}", gpu, tier),
-        ("GPU holds all (bound)", max(distinct + needed, gpu), 0),
+        ("no tier (baseline)", gpu, 0, 0),
+        (f"CPU tier, {args.policy}", gpu, tier, 0),
+        ("GPU holds all (bound)", max(distinct + needed, gpu), 0, 0),
     ]
     if args.no_bound:
         settings.pop()
+    if args.sync_load_tokens:
+        name = f"CPU tier, {args.policy}, sync loads ({args.sync_load_tokens:,} tokens a step)"
+        settings.insert(2, (name, gpu, tier, args.sync_load_tokens))
     if args.shared:
-        settings.append(("shared tier, second replica", gpu, tier))
+        settings.append(("shared tier, second replica", gpu, tier, 0))
     results = []
     with RedisServer() as server:
         for repetition in range(args.repeats):
             shift = repetition % len(settings)
-            for name, gpu_blocks, tier_blocks in settings[shift:] + settings[:shift]:
+            for name, gpu_blocks, tier_blocks, sync in settings[shift:] + settings[:shift]:
                 if name.startswith("shared"):
                     figures = await second_replica(
                         server.url, model, turns, name, gpu_blocks, tier_blocks, args, repetition
                     )
                 else:
                     figures = await replay(
-                        server.url, model, turns, name, gpu_blocks, tier_blocks, args, repetition
-                    )
+                        server.url, model, turns, name, gpu_blocks, tier_blocks, args, repetition,
+                        sync_load_tokens=sync,
+                    )  # fmt: skip
                 print(f"  {name} ({repetition + 1}/{args.repeats}): {figures.wall_s} s", flush=True)
                 results.append(figures)
     return results
@@ -241,8 +255,9 @@ def table(results: list[Figures]) -> str:
 
     lines = [
         "| setting | GPU blocks | tier blocks | prefill computed | vs baseline | loaded (shared) | "
-        "stored | preemptions | TTFT p50 ms | vs baseline | TTFT p99 ms | output tok/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "stored | loads (within their step) | preemptions | TTFT p50 ms | vs baseline | "
+        "TTFT p99 ms | output tok/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in names:
         runs = [by[(name, r)] for r in reps if (name, r) in by]
@@ -261,6 +276,7 @@ def table(results: list[Figures]) -> str:
             f"{shown([f.loaded_blocks for f in runs], ',.0f')} "
             f"({shown([f.shared_blocks for f in runs], ',.0f')}) | "
             f"{shown([f.stored_blocks for f in runs], ',.0f')} | "
+            f"{shown([f.loads for f in runs], ',.0f')} ({shown([f.sync_loads for f in runs], ',.0f')}) | "
             f"{shown([f.preemptions for f in runs], '.0f')} | "
             f"{shown([f.ttft_p50_ms for f in runs], '.1f')} | {shown(ttft_ratio, '.2f')}x | "
             f"{shown([f.ttft_p99_ms for f in runs], '.1f')} | "
@@ -360,6 +376,11 @@ def main() -> None:
     parser.add_argument(
         "--shared", action="store_true",
         help="also: a second replica loading the first's blocks from a shared tier (Redis)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sync-load-tokens", type=int, default=0,
+        help="also: the CPU tier with vLLM's sync-load budget (sync_load_budget_bytes) of this "
+        "many tokens' KV a step: a load that fits is done within the step that admits it",
     )  # fmt: skip
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--real", action="store_true", help="the fleet target, real processes")

@@ -97,8 +97,10 @@ def test_offloading_connector_sweep_matches_vllm(vllm_python: Path, workdir: Pat
     theirs = _run(vllm_python, "vllm_offload_connector_driver", workloads, workdir, tag="sweep")
     ours = _run(OURS, "ledger_offload_connector_driver", workloads, workdir, tag="sweep")
     steps, mismatches = _compare(workloads, ours, theirs)
+    loads = [load for run in theirs for r in run for load in r["meta"]["loads"]]
     print(
         f"\noffloading connector sweep: {len(workloads)} workloads, {steps} steps, "
+        f"{len(loads)} loads ({sum(1 for load in loads if load[5])} within their step), "
         f"{len(mismatches)} mismatches"
     )
     assert not mismatches, mismatches[0]
