@@ -123,14 +123,22 @@ def out_request(out: SchedulerOutput, rid: str) -> Request:
 
 
 def make(
-    num_blocks: int, chunks: int | None, policy: str = "lru", async_scheduling: bool = False
+    num_blocks: int,
+    chunks: int | None,
+    policy: str = "lru",
+    async_scheduling: bool = False,
+    sync_load_tokens: int = 0,
 ) -> Scheduler:
+    """`sync_load_tokens`: vLLM's sync-load budget, in tokens a step (a token's KV is a byte
+    here)."""
     max_model_len = min(64, (num_blocks - 1) * BS)
     manager = KVCacheManager(num_blocks, BS, max_model_len, enable_kv_cache_events=True)
     connector = None
     if chunks is not None:
         tier = CPUOffloadingManager(chunks, policy, enable_events=True)
-        connector = OffloadingConnectorScheduler(tier, BS)
+        connector = OffloadingConnectorScheduler(
+            tier, BS, sync_load_budget_bytes=sync_load_tokens, kv_bytes_per_token=1
+        )
     config = SchedulerConfig(
         max_model_len=max_model_len,
         max_num_seqs=6,
@@ -195,17 +203,23 @@ def run(scheduler: Scheduler, arrivals: list[tuple[int, Request]], depth: int = 
     return Run(outputs, worker, scheduler, events)
 
 
+@pytest.mark.parametrize("sync_load_tokens", [0, 12, 1 << 20])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 @pytest.mark.parametrize("seed", range(4))
-def test_the_tier_loads_evicted_prefixes_back_and_changes_no_token(seed, policy, async_scheduling):
+def test_the_tier_loads_evicted_prefixes_back_and_changes_no_token(
+    seed, policy, async_scheduling, sync_load_tokens
+):
     depth = 2 if async_scheduling else 1
     # 17 lendable blocks of 4 tokens: the documents (8 blocks each) do not stay on the GPU.
     off = run(make(18, None, async_scheduling=async_scheduling), workload(seed), depth)
-    on = run(make(18, 64, policy, async_scheduling), workload(seed), depth)
+    on = run(make(18, 64, policy, async_scheduling, sync_load_tokens), workload(seed), depth)
     assert off.worker.wrong_reads == [] and on.worker.wrong_reads == []
     assert on.outputs == off.outputs and len(on.outputs) == 30
     assert on.worker.loads > 0 and on.scheduler.num_loads == on.worker.loads
+    # Loads within their step only under a budget; an unbounded one takes every hit that leaves
+    # a token to compute (every load here but whole prompts).
+    assert (on.scheduler.num_sync_loads > 0) == (sync_load_tokens > 0)
     assert on.worker.prompt_tokens_computed < off.worker.prompt_tokens_computed
     for result in (off, on):  # the scheduler counts what the worker computed
         assert result.scheduler.num_prompt_tokens_computed == result.worker.prompt_tokens_computed
@@ -246,6 +260,33 @@ def test_a_loading_request_waits_and_is_admitted_with_the_loaded_tokens():
     (admission,) = admitted.admissions
     assert (admission.num_hit_tokens, admission.num_loaded_tokens) == (0, 12)
     # The loaded blocks are in the GPU prefix cache now.
+    stored = [e for e in s.take_events() if isinstance(e, BlockStored) and e.medium == "GPU"]
+    assert sum(len(e.block_hashes) for e in stored) == 3
+
+
+def test_a_sync_load_is_admitted_in_the_step_that_loads_it():
+    s = make(40, 16, sync_load_tokens=12)
+    first, second = list(range(12)), list(range(20, 32))
+    run(s, [(0, Request("a", first, 1, block_hasher=HASHER, block_size=BS)),
+            (0, Request("a2", second, 1, block_hasher=HASHER, block_size=BS))])  # fmt: skip
+    s.kv_cache_manager.reset_prefix_cache()
+    s.take_events()
+    again = Request("b", first + [40, 41], 1, block_hasher=HASHER, block_size=BS)
+    # 12 tokens fit the budget; the other request's 12 in the same step do not: it waits.
+    other = Request("c", second + [42, 43], 1, block_hasher=HASHER, block_size=BS)
+    s.add_request(again)
+    s.add_request(other)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"b": 2} and again.status == RequestStatus.RUNNING
+    assert other.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (admission,) = out.admissions
+    assert (admission.request_id, admission.num_loaded_tokens) == ("b", 12)
+    jobs = out.kv_transfers.load_jobs
+    assert [job.sync for job in jobs.values()] == [True, False]
+    first = next(iter(jobs.values()))
+    assert first.dst == s.kv_cache_manager.get_block_ids("b")[:3] and first.first_block_index == 0
+    assert s.num_loads == 2 and s.num_sync_loads == 1
+    # Its blocks went into the GPU prefix cache as they were allocated (before the copy).
     stored = [e for e in s.take_events() if isinstance(e, BlockStored) and e.medium == "GPU"]
     assert sum(len(e.block_hashes) for e in stored) == 3
 
