@@ -318,6 +318,29 @@ def main_real(args: argparse.Namespace) -> list[dict]:
         (f"{args.replicas} replicas, GPU {args.gpu_fraction:g}, CPU + shared tiers",
          dataclasses.replace(base, extra_env=tiers)),
     ]  # fmt: skip
+    if args.replicas == 1:
+        # One replica in its own processes (the one-replica targets with a ledger and a worker
+        # that do not share a process): no tier, the CPU tier holding every block (async loads,
+        # then with --sync-load-tokens loads within their step), the bound.
+        cpu_tier = {"KVLEDGER_KV_OFFLOADING_SIZE": str(distinct * block_bytes / 2**30)}
+        variants = [
+            ("no tier (baseline)", base),
+            ("CPU tier", dataclasses.replace(base, extra_env=cpu_tier)),
+            ("GPU holds all (bound)", dataclasses.replace(base, num_gpu_blocks=distinct + needed)),
+        ]
+        if args.sync_load_tokens:
+            transfer = json.dumps(
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {
+                        "sync_load_budget_bytes": args.sync_load_tokens * block_bytes // BLOCK_SIZE
+                    },
+                }
+            )
+            sync_env = {**cpu_tier, "KVLEDGER_KV_TRANSFER_CONFIG": transfer}
+            variants.insert(2, (f"CPU tier, sync loads ({args.sync_load_tokens:,} tokens a step)",
+                                dataclasses.replace(base, extra_env=sync_env)))  # fmt: skip
     rows = []
     for repetition in range(args.repeats):
         shift = repetition % len(variants)
@@ -341,6 +364,13 @@ def main_real(args: argparse.Namespace) -> list[dict]:
             return statistics.median(float(r[key]) for r in runs)
 
         medians[label] = mid("hit_rate")
+        if args.replicas == 1:
+            base_rows = {r["repetition"]: r for r in rows if r["variant"] == variants[0][0]}
+            ratio = statistics.median(
+                float(r["ttft_p50_s"]) / max(float(base_rows[r["repetition"]]["ttft_p50_s"]), 1e-9)
+                for r in mine if r["repetition"] in base_rows
+            )  # fmt: skip
+            label = f"{label} (TTFT p50 {ratio:.2f}x the baseline's)"
         lines.append(
             f"| {label} | {len(mine)} | {mid('hit_rate'):.4f} | "
             f"{mid('hit_rate') / max(medians[variants[0][0]], 1e-9):.3f} | "
