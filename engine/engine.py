@@ -403,7 +403,11 @@ class Engine:
         file_logprobs(out, result)
         self.outputs.hold(
             self.scheduler.update_from_output(
-                out, result.sampled_token_ids, result.transfers_done or (), result.shared_failed
+                out,
+                result.sampled_token_ids,
+                result.transfers_done or (),
+                result.shared_failed,
+                result.shared_unreachable,
             )
         )
         now = time.monotonic()

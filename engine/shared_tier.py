@@ -111,21 +111,25 @@ class SharedTierShell:
             return
         inbox, self.inbox = self.inbox, []
         for change in inbox:
-            if change.reloaded:
+            if change.reloaded:  # read whole: at start, or once the catalog answers again
                 self.manager.index.replace(change.stored, change.origins)
+                self.manager.resume()
             else:
                 self.manager.apply_catalog(change.stored, change.removed, change.origins)
 
     async def write(self) -> None:
         """The core's changes to the catalog (fenced); evictions past the size bound back in."""
         changes = self.manager.take_catalog_changes()
-        if not changes or self.fenced:
+        if not changes:
+            return
+        if self.fenced:  # a later leader writes the catalog: these blocks are not listed
+            self.manager.commit_failed(changes.commits)
             return
         if not self.leadership.held():
             self.manager.commit_failed(changes.commits)
             return
         try:
-            victims = await self.writer.apply(
+            applied = await self.writer.apply(
                 self.leadership.token, self.bytes_per_block,
                 changes.commits, changes.removals, changes.touches,
             )  # fmt: skip
@@ -142,7 +146,9 @@ class SharedTierShell:
                 error=f"{type(exc).__name__}: {exc}",
             )  # fmt: skip
             return
-        self.manager.evicted(victims)
+        self.manager.evicted(applied.evicted)
+        if applied.unlisted:  # their values were gone by the commit: not in the tier after all
+            self.manager.commit_failed(applied.unlisted)
 
     async def refresh_size(self) -> None:
         with contextlib.suppress(RedisError, OSError):

@@ -129,6 +129,7 @@ class StepResults:
             shared = sent.shared
             wanted = {job.job_id for job in (*shared.promotions, *shared.cascades)}
             failed: dict[int, set[int]] = {job_id: set() for job_id in wanted}
+            unreachable: set[int] = set()
             for worker_id, result in results.items():
                 reported = result.shared_failed or {}
                 if set(reported) != wanted:
@@ -139,7 +140,9 @@ class StepResults:
                     return None
                 for job_id, indices in reported.items():
                     failed[job_id].update(indices)  # a key is there only if every rank wrote it
+                unreachable.update(result.shared_unreachable or ())
             primary.shared_failed = {job_id: sorted(bad) for job_id, bad in failed.items()}
+            primary.shared_unreachable = sorted(unreachable & wanted) or None
             # The step waited for the slowest worker's copies.
             timed = [r.shared_seconds for r in results.values() if r.shared_seconds]
             if timed:

@@ -638,5 +638,6 @@ class LedgerTelemetry:
                     "cascaded_blocks": shared.cascades,
                     "cascade_failures": shared.cascade_failures,
                     "evicted_blocks": shared.evictions,
+                    "unreachable_blocks": shared.unreachable,
                 }
             )

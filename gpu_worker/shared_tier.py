@@ -11,9 +11,11 @@ Two backends, chosen by `--kv-shared-tier`:
   came (its ledger died) goes away on its own.
 
 Each block is checked on the way back (`unpack_block`: namespace, key, rank, size, CRC-32), so a
-missing, truncated or corrupt block is a failed copy of that key, never KV in the cache. No
-failure of the store fails the step: a copy that cannot be done is reported failed, the ledger
-recomputes the block, and the step goes on.
+missing, truncated or corrupt block is a failed copy of that key, never KV in the cache (the
+ledger drops it from the catalog). A job the store could not serve at all (Redis unreachable or
+timed out, a file that cannot be read, the namespace's directory gone: an unmounted share) is
+reported *unreachable*: the blocks are recomputed, and the catalog keeps them for the replicas
+that can still read them. No failure of the store fails the step.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class DirectoryBackend(Backend):
         return await asyncio.to_thread(self._read, namespace, keys, rank)
 
     def _read(self, namespace: str, keys: Sequence[bytes], rank: int) -> list[bytes | None]:
+        if not (self.root / namespace).is_dir():
+            # Blocks are read only where the catalog lists some, so their folder was written:
+            # gone means the share is not there (unmounted), not that every block is missing.
+            raise FileNotFoundError(f"the namespace's folder {self.root / namespace} is missing")
         values: list[bytes | None] = []
         for key in keys:
             try:
@@ -157,7 +163,8 @@ PROBE_NAMESPACE = "probe"
 
 
 class WorkerSharedTier:
-    """Runs a step's shared-tier copies for this rank (`run`: job id -> failed key indices)."""
+    """Runs a step's shared-tier copies for this rank (`run`: job id -> failed key indices, and
+    the jobs the store could not serve at all)."""
 
     def __init__(self, backend: Backend, rank: int = 0, tp_size: int = 1) -> None:
         self.backend = backend
@@ -166,30 +173,42 @@ class WorkerSharedTier:
         self.blocks_read = self.blocks_written = self.failures = 0
         self.seconds = [0.0, 0.0]  # the last step's [reads (promotions), writes (cascades)]
 
-    async def run(self, transfers: KVTransfers, host: HostKVTier) -> dict[int, list[int]]:
+    async def run(
+        self, transfers: KVTransfers, host: HostKVTier
+    ) -> tuple[dict[int, list[int]], list[int]]:
         namespace = transfers.shared_namespace
         failed: dict[int, list[int]] = {}
+        unreachable: list[int] = []
         started = time.perf_counter()
         for job in transfers.promotions:
-            failed[job.job_id] = await self._promote(namespace, job.keys, job.chunks, host)
+            bad = await self._promote(namespace, job.keys, job.chunks, host)
+            failed[job.job_id] = list(range(len(job.keys))) if bad is None else bad
+            if bad is None:
+                unreachable.append(job.job_id)
         read = time.perf_counter()
         for job in transfers.cascades:
-            failed[job.job_id] = await self._cascade(namespace, job.keys, job.chunks, host)
+            bad = await self._cascade(namespace, job.keys, job.chunks, host)
+            failed[job.job_id] = list(range(len(job.keys))) if bad is None else bad
+            if bad is None:
+                unreachable.append(job.job_id)
         self.seconds = [read - started, time.perf_counter() - read]
         if transfers.shared_deletes:
             try:
                 await self.backend.delete(namespace, transfers.shared_deletes, self.rank)
             except Exception as exc:  # the data stays; the catalog no longer lists it
                 log.warning("shared_tier_delete_failed", error=f"{type(exc).__name__}: {exc}")
-        return failed
+        return failed, unreachable
 
     async def _promote(
         self, namespace: str, keys: list[bytes], chunks: list[int], host: HostKVTier
-    ) -> list[int]:
+    ) -> list[int] | None:
+        """Reads `keys` into `chunks`: the indices of the keys missing or corrupt (None: the
+        store could not be read)."""
         try:
             values = await self.backend.read(namespace, keys, self.rank)
         except Exception as exc:
-            return self._all_failed("read", keys, exc)
+            self._unreachable("read", keys, exc)
+            return None
         bad = []
         for index, (key, chunk, value) in enumerate(zip(keys, chunks, values, strict=True)):
             if value is None:
@@ -210,7 +229,9 @@ class WorkerSharedTier:
 
     async def _cascade(
         self, namespace: str, keys: list[bytes], chunks: list[int], host: HostKVTier
-    ) -> list[int]:
+    ) -> list[int] | None:
+        """Writes `chunks` under `keys`: [] when written (None: the store could not be
+        written)."""
         try:
             values = [
                 pack_block(namespace, key, self.rank, self.tp_size, host.chunk_bytes(chunk))
@@ -218,7 +239,8 @@ class WorkerSharedTier:
             ]
             await self.backend.write(namespace, keys, self.rank, values)
         except Exception as exc:
-            return self._all_failed("write", keys, exc)
+            self._unreachable("write", keys, exc)
+            return None
         self.blocks_written += len(keys)
         return []
 
@@ -232,13 +254,13 @@ class WorkerSharedTier:
         namespace = f"{PROBE_NAMESPACE}-{worker_id}"
         keys = [f"probe{i}".encode().ljust(36, b"\0") for i in range(blocks)]
         chunks = list(range(blocks))
-        if await self._cascade(namespace, keys, chunks, host):
+        if await self._cascade(namespace, keys, chunks, host) != []:
             raise OSError("the probe blocks could not be written")
         times = []
         try:
             for _ in range(repeats + 1):  # the first read warms the connection and the page cache
                 started = time.perf_counter()
-                if await self._promote(namespace, keys, chunks, host):
+                if await self._promote(namespace, keys, chunks, host) != []:
                     raise OSError("the probe blocks could not be read back")
                 times.append((time.perf_counter() - started) / blocks)
         finally:
@@ -246,10 +268,9 @@ class WorkerSharedTier:
             self.blocks_read = self.blocks_written = 0
         return statistics.median(times[1:])
 
-    def _all_failed(self, what: str, keys: list[bytes], exc: Exception) -> list[int]:
+    def _unreachable(self, what: str, keys: list[bytes], exc: Exception) -> None:
         self.failures += len(keys)
         log.warning(
             "shared_tier_unreachable", op=what, blocks=len(keys),
             error=f"{type(exc).__name__}: {exc}",
         )  # fmt: skip
-        return list(range(len(keys)))

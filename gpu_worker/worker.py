@@ -325,15 +325,18 @@ class WorkerService:
         failed: dict[str, str] | None = None
         output = StepOutput({}, None, 0)
         shared_failed: dict[int, list[int]] | None = None
+        shared_unreachable: list[int] | None = None
         shared_seconds: list[float] | None = None
         try:
             unformed = await self.tp_group.ensure(step.epoch)
             if unformed is not None:
                 raise StepError(unformed)
             output = self.runner.run_step(step)
-            shared_failed = await self._shared_copies(step)
-            if shared_failed is not None and self.shared is not None:
-                shared_seconds = self.shared.seconds
+            shared = await self._shared_copies(step)
+            if shared is not None:
+                shared_failed, shared_unreachable = shared[0], shared[1] or None
+                if self.shared is not None:
+                    shared_seconds = self.shared.seconds
         except RequestsFailed as exc:
             error, failed = (
                 f"step {step.step_id} failed on {len(exc.errors)} request(s)",
@@ -365,12 +368,16 @@ class WorkerService:
             failed_requests=failed,
             transfers_done=output.transfers_done,
             shared_failed=shared_failed,
+            shared_unreachable=shared_unreachable,
             shared_seconds=shared_seconds,
             transfer_seconds=output.transfer_seconds,
         )
 
-    async def _shared_copies(self, step: StepMessage) -> dict[int, list[int]] | None:
-        """The step's shared-tier copies (after its forward pass): job id -> failed keys."""
+    async def _shared_copies(
+        self, step: StepMessage
+    ) -> tuple[dict[int, list[int]], list[int]] | None:
+        """The step's shared-tier copies (after its forward pass): job id -> failed keys, and
+        the jobs the store could not serve at all."""
         transfers = step.kv_transfers
         if transfers is None or not (
             transfers.promotions or transfers.cascades or transfers.shared_deletes
@@ -383,12 +390,17 @@ class WorkerService:
                 "shared_tier_not_configured", step_id=step.step_id,
                 hint="start the worker with the ledger's --kv-shared-tier",
             )  # fmt: skip
-            return {job.job_id: list(range(len(job.keys))) for job in jobs}
+            return _all_unreachable(jobs)
         try:
             return await self.shared.run(transfers, host)
         except Exception:  # never the step's failure: the blocks are recomputed
             log.exception("shared_tier_failed", step_id=step.step_id)
-            return {job.job_id: list(range(len(job.keys))) for job in jobs}
+            return _all_unreachable(jobs)
+
+
+def _all_unreachable(jobs: list) -> tuple[dict[int, list[int]], list[int]]:
+    """Every job failed, none for its blocks' sake: the catalog keeps them."""
+    return {job.job_id: list(range(len(job.keys))) for job in jobs}, [job.job_id for job in jobs]
 
 
 async def serve(config: WorkerConfig) -> None:

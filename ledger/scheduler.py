@@ -602,6 +602,7 @@ class Scheduler(Generic[P]):
         sampled: dict[str, int],
         transfers_done: Iterable[int] = (),
         shared_failed: Mapping[int, Sequence[int]] | None = None,
+        shared_unreachable: Sequence[int] | None = None,
     ) -> list[RequestUpdate[P]]:
         """Append each sampled token, stop finished requests and free their blocks.
 
@@ -673,9 +674,9 @@ class Scheduler(Generic[P]):
                 RequestUpdate(request, (token,), True, RequestStatus.finish_reason(request.status))
             )
         if self.connector is not None:
-            if shared_failed:
+            if shared_failed or shared_unreachable:
                 # Before the CPU tier's reports: a promotion reported now is loadable next step.
-                self.connector.update_shared_output(shared_failed)
+                self.connector.update_shared_output(shared_failed or {}, shared_unreachable or ())
             self._transfers_done(transfers_done)
         return updates
 

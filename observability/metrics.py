@@ -223,6 +223,9 @@ class LedgerMetrics:
                 ("cascade_failures", "KV blocks the workers could not write to the shared tier."),
                 ("evicted_blocks", "KV blocks this ledger's writes evicted from the shared tier "
                  "(past its size bound, those used longest ago)."),
+                ("unreachable_blocks", "KV blocks whose promotion or cascade failed because the "
+                 "store could not be reached or read (recomputed; the catalog keeps them, and "
+                 "this ledger leaves the tier alone for a while)."),
             )
         }  # fmt: skip
         self._shared_seen: dict[str, int] = dict.fromkeys(self._shared_counters, 0)
@@ -315,7 +318,8 @@ class LedgerMetrics:
 
     def record_shared_tier(self, totals: Mapping[str, int]) -> None:
         """The shared tier's counts since start (promoted_blocks, promotion_failures,
-        cascaded_blocks, cascade_failures, evicted_blocks): what grew since the last call."""
+        cascaded_blocks, cascade_failures, evicted_blocks, unreachable_blocks): what grew since
+        the last call."""
         for name, counter in self._shared_counters.items():
             total = totals.get(name, 0)
             if total > self._shared_seen[name]:

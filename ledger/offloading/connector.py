@@ -37,7 +37,7 @@ two processes agree byte for byte when they share PYTHONHASHSEED.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -468,10 +468,13 @@ class OffloadingConnectorScheduler:
             return self.manager.promoted_for.pop(req_id, 0), tuple(sorted(origins))
         return 0, ()
 
-    def update_shared_output(self, failed: Mapping[int, Sequence[int]]) -> None:
-        """The workers' reports of the step's shared-tier copies (job id -> failed key indices)."""
+    def update_shared_output(
+        self, failed: Mapping[int, Sequence[int]], unreachable: Iterable[int] = ()
+    ) -> None:
+        """The workers' reports of the step's shared-tier copies (job id -> failed key indices;
+        the jobs that failed for want of the store)."""
         if isinstance(self.manager, TieringManager):
-            self.manager.complete_jobs(failed)
+            self.manager.complete_jobs(failed, unreachable)
 
     def take_events(self) -> list[AnyKVCacheEvent]:
         return to_kv_events(self.manager.take_events())

@@ -15,7 +15,17 @@ any CPU hit. A CPU store that completes queues a cascade of its keys the index l
 pinned until the workers report the copy. The step carries both (`take_jobs`); the workers run
 them and report, per job, the keys that failed (`complete_jobs`): a promotion that failed (the
 block missing, truncated or corrupt) releases its chunks unannounced and drops the keys from
-the index, so the request's next lookup misses there and recomputes.
+the index, so the request's next lookup misses there and recomputes. A job the workers could
+not run for want of the store (unreachable, timed out, unreadable: not the block's fault) only
+releases its chunks: the catalog keeps the keys, which other replicas may still read, and this
+ledger leaves the tier alone for `UNREACHABLE_PAUSE_STEPS` steps (its lookups miss there, it
+cascades nothing) rather than pay a failing copy every step, or until the shell reads the
+catalog whole again after an outage (`resume`).
+
+A step's promotions are bounded (`max_blocks_per_step`): a lookup past the bound answers
+HIT_PENDING and queues its promotion next step. Cascades have a bound of their own, applied when
+the step takes them (the rest wait, their chunks pinned), so that a burst of stores never holds
+promotions back.
 
 The index is what the tier's catalog says it holds, every replica's writes included; the shell
 keeps it current (`apply_catalog`) and writes this ledger's changes to the catalog
@@ -46,6 +56,8 @@ LOCALITIES = ("LOCAL", "REMOTE")
 # Blocks a step's shared-tier copies may move (promotions and cascades together): the workers
 # run them inside the step, so this bounds what they add to it.
 MAX_BLOCKS_PER_STEP = 128
+# Steps this ledger leaves the shared tier alone after a copy found it unreachable.
+UNREACHABLE_PAUSE_STEPS = 64
 
 
 class SharedTierIndex:
@@ -107,6 +119,7 @@ class SharedTierStats:
     promotion_failures: int = 0  # blocks whose promotion failed (recomputed)
     cascades: int = 0  # blocks written to the shared tier
     cascade_failures: int = 0
+    unreachable: int = 0  # blocks whose copy failed for want of the store (kept in the catalog)
     evictions: int = 0  # blocks this ledger's commits evicted from the tier
 
 
@@ -138,7 +151,9 @@ class TieringManager:
         self.jobs: dict[int, SharedJob] = {}  # sent to the workers, not yet reported
         self.queued = SharedJobs()  # for the next step
         self._promotions_by_request: dict[str, SharedJob] = {}
-        self._queued_blocks = 0
+        self._queued_promotion_blocks = 0
+        self.paused_steps = 0  # > 0: the store was unreachable lately; leave it alone
+        self._open_requests: set[str] = set()
         self.promoting: set[OffloadKey] = set()  # queued or in flight
         self.cascading: set[OffloadKey] = set()
         self.changes = CatalogChanges()
@@ -162,6 +177,7 @@ class TieringManager:
 
     def on_new_request(self, context: RequestContext) -> None:
         self.primary.on_new_request(context)
+        self._open_requests.add(context.req_id)
 
     def lookup(self, key: OffloadKey, context: RequestContext) -> LookupResult:
         found = self.primary.lookup(key, context)
@@ -169,8 +185,10 @@ class TieringManager:
             return found
         if key in self.promoting:
             return LookupResult.HIT_PENDING
-        if self._queued_blocks >= self.max_blocks_per_step:
-            return LookupResult.HIT_PENDING  # this step's copies are full: ask again next step
+        if self.paused_steps:
+            return found  # the store was unreachable: recompute rather than wait for it
+        if self._queued_promotion_blocks >= self.max_blocks_per_step:
+            return LookupResult.HIT_PENDING  # this step's promotions are full: ask again next
         allocated = self.primary.prepare_store([key], context)
         if allocated is None or not allocated.keys_to_store:
             return LookupResult.MISS  # the CPU tier has no chunk to give: recompute
@@ -184,7 +202,7 @@ class TieringManager:
         job.keys.append(key)
         job.chunk_ids.append(allocated.chunk_ids[0])
         self.promoting.add(key)
-        self._queued_blocks += 1
+        self._queued_promotion_blocks += 1
         return LookupResult.HIT_PENDING
 
     def prepare_load(self, keys: Sequence[OffloadKey], context: RequestContext) -> list[int]:
@@ -208,7 +226,7 @@ class TieringManager:
         (the keys it lacks), its chunks pinned until the workers report the copy."""
         keys = list(keys)
         self.primary.complete_store(keys, context, success)
-        if not success:
+        if not success or self.paused_steps:
             return
         new = [
             key
@@ -221,10 +239,10 @@ class TieringManager:
             job = SharedJob(self._new_job_id(), new, self.primary.pin(new), False, context)
             self.queued.cascades.append(job)
             self.cascading.update(new)
-            self._queued_blocks += len(new)
 
     def on_request_finished(self, context: RequestContext) -> None:
         self.primary.on_request_finished(context)
+        self._open_requests.discard(context.req_id)
         self.promoted_for.pop(context.req_id, None)
         self.promoted_from.pop(context.req_id, None)
 
@@ -238,10 +256,20 @@ class TieringManager:
         return self.next_job_id - 1
 
     def take_jobs(self) -> SharedJobs:
-        """This step's promotions, cascades and deletes; reported with the step's result."""
+        """This step's promotions, cascades (up to `max_blocks_per_step` blocks of them, at
+        least one job; the rest wait for the next step) and deletes; reported with the step's
+        result."""
         jobs, self.queued = self.queued, SharedJobs()
         self._promotions_by_request.clear()
-        self._queued_blocks = 0
+        self._queued_promotion_blocks = 0
+        if self.paused_steps:
+            self.paused_steps -= 1
+        cascades, budget = jobs.cascades, self.max_blocks_per_step
+        for taken, job in enumerate(cascades):
+            budget -= len(job.keys)
+            if budget < 0 and taken:
+                jobs.cascades, self.queued.cascades = cascades[:taken], cascades[taken:]
+                break
         for job in (*jobs.promotions, *jobs.cascades):
             self.jobs[job.job_id] = job
         return jobs
@@ -253,13 +281,30 @@ class TieringManager:
     def has_pending_work(self) -> bool:
         return bool(self.jobs or self.queued)
 
-    def complete_jobs(self, failed: Mapping[int, Sequence[int]]) -> None:
+    def complete_jobs(
+        self, failed: Mapping[int, Sequence[int]], unreachable: Iterable[int] = ()
+    ) -> None:
         """The workers ran the step's jobs: `failed` maps each job id to the indices of its keys
-        that failed (empty when all were copied). Every job sent must be reported."""
+        that failed (empty when all were copied); `unreachable`, the jobs that failed for want
+        of the store rather than of their blocks. Every job sent must be reported."""
+        for job_id in unreachable:
+            job = self.jobs.pop(job_id, None)
+            if job is None:
+                continue
+            self.paused_steps = UNREACHABLE_PAUSE_STEPS
+            self.stats.unreachable += len(job.keys)
+            if job.is_promotion:  # released unannounced; the catalog still lists the blocks
+                self.promoting.difference_update(job.keys)
+                assert job.context is not None
+                self.primary.complete_store(job.keys, job.context, False)
+            else:
+                self.cascading.difference_update(job.keys)
+                self.primary.unpin(job.keys)
+                self.stats.cascade_failures += len(job.keys)
         for job_id, failed_indices in failed.items():
             job = self.jobs.pop(job_id, None)
             if job is None:
-                continue  # sent before a reset: its chunks are gone from the books
+                continue  # sent before a reset (or reported unreachable above)
             bad = {job.keys[i] for i in failed_indices if 0 <= i < len(job.keys)}
             good = [key for key in job.keys if key not in bad]
             if job.is_promotion:
@@ -275,11 +320,13 @@ class TieringManager:
             self.primary.complete_store(good, context, True)
             self.changes.touches.extend(good)
             self.stats.promotions += len(good)
-            self.promoted_for[context.req_id] = self.promoted_for.get(context.req_id, 0) + len(good)
-            origin = self.index.origin
-            self.promoted_from.setdefault(context.req_id, set()).update(
-                origin.get(key, "") for key in good
-            )
+            if context.req_id in self._open_requests:  # its admission reads them (not aborted)
+                promoted = self.promoted_for.get(context.req_id, 0) + len(good)
+                self.promoted_for[context.req_id] = promoted
+                origin = self.index.origin
+                self.promoted_from.setdefault(context.req_id, set()).update(
+                    origin.get(key, "") for key in good
+                )
         if bad:
             # Released unannounced (the CPU tier never held them); the tier does not hold them
             # either: forgotten here, removed from the catalog, published as gone.
@@ -325,6 +372,10 @@ class TieringManager:
             self.index.discard(keys)
             self._event(keys, removed=True)
 
+    def resume(self) -> None:
+        """The store answers again (its catalog was read whole after an outage): end a pause."""
+        self.paused_steps = 0
+
     def apply_catalog(
         self,
         stored: Iterable[OffloadKey],
@@ -353,7 +404,7 @@ class TieringManager:
         self.primary.reset_cache()
         self.queued = SharedJobs()
         self._promotions_by_request.clear()
-        self._queued_blocks = 0
+        self._queued_promotion_blocks = 0
         self.jobs.clear()
         self.promoting.clear()
         self.cascading.clear()

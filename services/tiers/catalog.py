@@ -60,16 +60,27 @@ local function log(op, list)
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', maxlen, '*', 'op', op, 'n', seq,
              'k', table.concat(parts), 'w', ARGV[1])
 end
-local added, removed = {}, {}
+local function all_values(k)
+  if dp == '' then return true end
+  for rank = 0, tp - 1 do
+    if redis.call('EXISTS', dp .. k .. ':r' .. rank) == 0 then return false end
+  end
+  return true
+end
+local added, removed, unlisted = {}, {}, {}
 for i = 11, 10 + nc do
   local k = ARGV[i]
-  if redis.call('ZADD', KEYS[1], 'NX', now, k) == 1 then
+  if not all_values(k) then
+    -- a value the cascade found there (SET NX) expired or went before this commit: not listed
+    unlisted[#unlisted + 1] = k
+  elseif redis.call('ZADD', KEYS[1], 'NX', now, k) == 1 then
     added[#added + 1] = k
     redis.call('HSET', KEYS[6], k, ARGV[1])
+    each_value(k, 'PERSIST')
   else
     redis.call('ZADD', KEYS[1], 'XX', now, k)
+    each_value(k, 'PERSIST')
   end
-  each_value(k, 'PERSIST')
 end
 for i = 11 + nc, 10 + nc + nr do
   local k = ARGV[i]
@@ -92,8 +103,9 @@ if total < 0 then redis.call('SET', KEYS[3], 0) end
 log('s', added)
 for _, k in ipairs(victims) do removed[#removed + 1] = k end
 log('r', removed)
-local reply = {1}
+local reply = {1, #victims}
 for _, k in ipairs(victims) do reply[#reply + 1] = k end
+for _, k in ipairs(unlisted) do reply[#reply + 1] = k end
 return reply
 """
 
@@ -105,6 +117,16 @@ def connect_tier(url: str) -> aioredis.Redis:
     return redis_streams.connect(
         url, socket_timeout=3.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
     )
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a write did besides what it was asked: the blocks it evicted past the size bound,
+    and the commits it left out because a rank's Redis value was gone (a value the cascade found
+    there expired or was evicted before the commit)."""
+
+    evicted: list[bytes] = field(default_factory=list)
+    unlisted: list[bytes] = field(default_factory=list)
 
 
 class Fenced(Exception):
@@ -142,10 +164,10 @@ class CatalogWriter:
         commits: Sequence[bytes] = (),
         removals: Sequence[bytes] = (),
         touches: Sequence[bytes] = (),
-    ) -> list[bytes]:
-        """Write the changes; the blocks evicted past the size bound. Raises Fenced."""
+    ) -> Applied:
+        """Write the changes (see `Applied` for what else it did). Raises Fenced."""
         if not (commits or removals or touches):
-            return []
+            return Applied()
         reply = await self._script(
             keys=self.keys.catalog,
             args=[
@@ -157,7 +179,9 @@ class CatalogWriter:
         )  # fmt: skip
         if not reply or int(reply[0]) != 1:
             raise Fenced(f"replica {self.replica}: a later leader writes the shared tier")
-        return [bytes(k) for k in reply[1:]]
+        num_evicted = int(reply[1])
+        keys = [bytes(k) for k in reply[2:]]
+        return Applied(keys[:num_evicted], keys[num_evicted:])
 
 
 @dataclass(slots=True)

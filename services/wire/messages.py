@@ -248,6 +248,9 @@ class StepResult(Message, tag="result"):
     # Every shared-tier copy of the step -> the indices of its keys this worker failed to copy
     # (empty: all copied); a failed copy is not an error of the step, the block is recomputed.
     shared_failed: dict[int, list[int]] | None = None
+    # Of those, the jobs that failed for want of the store (unreachable, timed out, unreadable),
+    # not of their blocks: the catalog keeps their keys.
+    shared_unreachable: list[int] | None = None
     shared_seconds: list[float] | None = None  # [its shared-tier reads, its writes] this step
     # Seconds this worker's copies took: [before the forward pass (the loads, and the rare
     # flushed stores), after it (the stores)]; None: no copies (or an earlier release).

@@ -83,6 +83,11 @@ async def two_replicas(redis_url: str, tiny_model, spec: SharedTierSpec) -> tupl
     return stacks[0], stacks[1]
 
 
+def metric(stack: Stack, name: str, **extra: str) -> float | None:
+    labels = {"model_name": "kvledger-tiny-llama", "engine": "0", **extra}
+    return stack.ledger.metrics.registry.get_sample_value(name, labels)
+
+
 @pytest.mark.parametrize("kind", ["dir", "redis"])
 async def test_a_block_computed_on_one_replica_is_loaded_by_another(
     redis_url, tiny_model, tmp_path, kind
@@ -115,11 +120,6 @@ async def test_a_block_computed_on_one_replica_is_loaded_by_another(
         catalog = SharedTierKeys(a.prefix, a.ledger.shared.namespace)
         assert await a.r.zcard(catalog.index) == 12
         # On /metrics: B's promotions, A's cascades, the catalog's size.
-        labels = {"model_name": "kvledger-tiny-llama", "engine": "0"}
-
-        def metric(stack: Stack, name: str, **extra: str) -> float | None:
-            return stack.ledger.metrics.registry.get_sample_value(name, {**labels, **extra})
-
         await until(lambda: metric(b, "kvledger:shared_tier_promoted_blocks_total") == 12)
         await until(lambda: metric(a, "kvledger:shared_tier_cascaded_blocks_total") == 12)
         await until(lambda: metric(a, "kvledger:shared_tier_size", unit="blocks") == 12)
@@ -225,9 +225,18 @@ async def test_the_tier_unreachable_means_recompute_never_a_failed_request(
             for stack, tag, batch in ((b, "b", docs[:2]), (a, "c", docs[2:])):
                 for i, prompt in enumerate(batch):
                     assert stack.results[f"{tag}{i}"].tokens == dense_greedy(tiny_model, prompt, 8)
-            assert shared_b.stats.promotions == 0 and shared_b.stats.promotion_failures >= 1
-            assert shared_a.stats.cascade_failures >= 4
-            tier.start()  # the same port, empty: the followers read its empty index
+            # Not the blocks' fault: the catalog keeps them, and each ledger leaves the store
+            # alone for a while after its first failed copy.
+            assert shared_b.stats.promotions == 0 and shared_b.stats.promotion_failures == 0
+            assert shared_b.stats.unreachable >= 1 and len(shared_b.index) == 8
+            # A's cascades run in a step after its stores are reported, maybe after the answers.
+            await until(lambda: shared_a.stats.cascade_failures >= 1)
+            assert shared_a.stats.unreachable == shared_a.stats.cascade_failures
+            await until(
+                lambda: (metric(b, "kvledger:shared_tier_unreachable_blocks_total") or 0) >= 1
+            )
+            tier.start()  # the same port, empty: the followers read its empty index (and the
+            # ledgers, paused since their copies failed, use the tier again)
             await until(lambda: len(shared_a.index) == 0 and len(shared_b.index) == 0)
             await serve(a, [prompts(1, 64, seed=23)[0]], "d")
             await until(lambda: len(shared_b.index) == 4)
@@ -247,8 +256,9 @@ async def test_a_directory_that_cannot_be_written_means_recompute(redis_url, tin
         await serve(a, docs, "a")
         await serve(b, docs, "b")
         shared_a = a.ledger.scheduler.connector.manager
-        await until(lambda: shared_a.stats.cascade_failures >= 12)
+        await until(lambda: shared_a.stats.unreachable >= 1)
         assert len(shared_a.index) == 0  # nothing written, nothing listed
+        assert shared_a.stats.cascade_failures == shared_a.stats.unreachable
         for i, prompt in enumerate(docs):
             assert b.results[f"b{i}"].tokens == dense_greedy(tiny_model, prompt, 8)
     finally:

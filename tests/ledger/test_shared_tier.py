@@ -20,7 +20,7 @@ from ledger.kv_cache_manager import KVCacheManager
 from ledger.offloading.base import LookupResult, RequestContext, make_offload_key
 from ledger.offloading.connector import OffloadingConnectorScheduler
 from ledger.offloading.manager import CPUOffloadingManager
-from ledger.offloading.shared import SharedTierIndex, TieringManager
+from ledger.offloading.shared import UNREACHABLE_PAUSE_STEPS, SharedTierIndex, TieringManager
 from ledger.request import Request
 from ledger.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tests.ledger.test_scheduler_tier import BS, HASHER, KVWorker, workload
@@ -246,6 +246,74 @@ def test_a_step_promotes_at_most_its_cap_the_rest_waits():
     assert [tier.lookup(key(i), context) for i in range(2, 5)] == [LookupResult.HIT_PENDING] * 3
     (job,) = tier.take_jobs().promotions
     assert job.keys == [key(2), key(3)]
+
+
+def test_a_burst_of_cascades_never_holds_a_promotion_back_and_waits_its_turn():
+    """Stores completing more blocks than a step's cap (a prefill-heavy step) queue cascades past
+    it: promotions keep their own budget, and the cascades go out a cap's worth a step."""
+    tier = TieringManager(
+        CPUOffloadingManager(16), SharedTierIndex([key(100)]), max_blocks_per_step=4
+    )
+    context = RequestContext("r")
+    tier.on_new_request(context)
+    for batch in ([1, 2, 3], [4, 5, 6], [7, 8]):  # three stores complete: 8 blocks
+        keys = [key(i) for i in batch]
+        assert tier.prepare_store(keys, context) is not None
+        tier.complete_store(keys, context)
+    assert tier.lookup(key(100), context) is LookupResult.HIT_PENDING
+    first = tier.take_jobs()
+    assert [job.keys for job in first.promotions] == [[key(100)]]
+    assert [len(job.keys) for job in first.cascades] == [3]  # the next job would pass 4
+    second = tier.take_jobs()
+    assert [len(job.keys) for job in second.cascades] == [3]
+    assert tier.has_queued_work()
+    third = tier.take_jobs()
+    assert [len(job.keys) for job in third.cascades] == [2] and not tier.has_queued_work()
+    tier.complete_jobs({job.job_id: [] for step in (first, second, third)
+                        for job in (*step.promotions, *step.cascades)})  # fmt: skip
+    assert all(key(i) in tier.index for i in range(1, 9))
+    # One job larger than the cap still goes (alone): nothing waits forever.
+    big = [key(i) for i in range(20, 26)]
+    assert tier.prepare_store(big, context) is not None
+    tier.complete_store(big, context)
+    assert [len(job.keys) for job in tier.take_jobs().cascades] == [6]
+
+
+def test_a_store_that_cannot_be_reached_keeps_the_catalog_and_is_left_alone_for_a_while():
+    """A promotion the workers could not run for want of the store (not the block's fault): its
+    chunk goes back, the catalog keeps the block (other replicas may reach it), nothing is
+    published, and for UNREACHABLE_PAUSE_STEPS steps lookups recompute instead of waiting on
+    the store and nothing is cascaded; then the tier is tried again."""
+    tier = TieringManager(CPUOffloadingManager(4, enable_events=True), SharedTierIndex([key(1)]))
+    context = RequestContext("r")
+    tier.on_new_request(context)
+    tier.take_events()
+    assert tier.lookup(key(1), context) is LookupResult.HIT_PENDING
+    (job,) = tier.take_jobs().promotions
+    tier.complete_jobs({job.job_id: [0]}, unreachable=[job.job_id])
+    assert key(1) in tier.index and not tier.take_catalog_changes()
+    assert tier.primary.num_free_chunks() == 4 and tier.stats.unreachable == 1
+    assert tier.stats.promotion_failures == 0
+    assert [e.medium for e in tier.take_events()] == ["CPU"]  # the chunk's release, unpublished
+    assert tier.lookup(key(1), context) is LookupResult.MISS  # recompute: the store is away
+    assert tier.prepare_store([key(2)], context) is not None
+    tier.complete_store([key(2)], context)
+    assert not tier.take_jobs()  # nothing cascaded while paused
+    for _ in range(UNREACHABLE_PAUSE_STEPS):
+        tier.take_jobs()
+    assert tier.lookup(key(1), context) is LookupResult.HIT_PENDING  # tried again
+
+
+def test_a_request_aborted_while_its_blocks_are_promoted_leaves_no_note_behind():
+    tier = TieringManager(CPUOffloadingManager(4), SharedTierIndex([key(1)]))
+    context = RequestContext("r")
+    tier.on_new_request(context)
+    tier.lookup(key(1), context)
+    (job,) = tier.take_jobs().promotions
+    tier.on_request_finished(context)
+    tier.complete_jobs({job.job_id: []})
+    assert tier.primary.lookup(key(1)) is LookupResult.HIT  # the block is the CPU tier's
+    assert not tier.promoted_for and not tier.promoted_from
 
 
 def test_a_reset_drops_queued_jobs_and_ignores_late_reports():

@@ -29,13 +29,20 @@ def keys() -> SharedTierKeys:
     return SharedTierKeys(f"t{uuid.uuid4().hex[:8]}", "0123456789abcdef")
 
 
+async def put_values(r, catalog: SharedTierKeys, blocks: list[bytes], ranks: int = 1) -> None:
+    """Each block's Redis values, as a worker's cascade writes them (uncommitted: an expiry)."""
+    for block in blocks:
+        for rank in range(ranks):
+            await r.set(catalog.data(block, rank), b"x", px=60_000)
+
+
 async def test_commits_are_listed_logged_and_counted_once(r):
     catalog = keys()
     writer = CatalogWriter(r, catalog, "r0", max_bytes=10_000)
     follower = CatalogFollower(r, catalog)
     assert (await follower.poll()).stored == []  # the first poll reads the (empty) index
-    assert await writer.apply(1, 100, commits=[k(1), k(2)]) == []
-    assert await writer.apply(1, 100, commits=[k(2), k(3)]) == []  # k(2) again: counted once
+    assert (await writer.apply(1, 100, commits=[k(1), k(2)])).evicted == []
+    assert (await writer.apply(1, 100, commits=[k(2), k(3)])).evicted == []  # k(2) counted once
     assert await catalog_size(r, catalog) == (3, 300)
     change = await follower.poll()
     assert change is not None and not change.reloaded
@@ -46,10 +53,7 @@ async def test_commits_are_listed_logged_and_counted_once(r):
 async def test_removals_drop_the_listing_and_the_values(r):
     catalog = keys()
     writer = CatalogWriter(r, catalog, "r0", max_bytes=10_000, tp_size=2, redis_values=True)
-    for rank in (0, 1):
-        await r.set(
-            SharedTierKeys(catalog.prefix, catalog.namespace).data(k(1), rank), b"x", px=60_000
-        )
+    await put_values(r, catalog, [k(1), k(2)], ranks=2)
     await writer.apply(1, 100, commits=[k(1), k(2)])
     # The commit keeps the values for good (they were written with an expiry).
     assert await r.pttl(SharedTierKeys(catalog.prefix, catalog.namespace).data(k(1), 1)) == -1
@@ -68,6 +72,7 @@ async def test_removals_drop_the_listing_and_the_values(r):
 async def test_past_the_size_bound_the_blocks_used_longest_ago_go(r):
     catalog = keys()
     writer = CatalogWriter(r, catalog, "r0", max_bytes=300, redis_values=True)
+    await put_values(r, catalog, [k(i) for i in range(1, 6)])
     await writer.apply(1, 100, commits=[k(1)])
     await asyncio.sleep(0.01)
     await writer.apply(1, 100, commits=[k(2)])
@@ -76,11 +81,27 @@ async def test_past_the_size_bound_the_blocks_used_longest_ago_go(r):
     await asyncio.sleep(0.01)
     await writer.apply(1, 100, touches=[k(1)])  # k(1) used again: k(2) is now the oldest
     await asyncio.sleep(0.01)
-    victims = await writer.apply(1, 100, commits=[k(4), k(5)])
+    victims = (await writer.apply(1, 100, commits=[k(4), k(5)])).evicted
     assert victims == [k(2), k(3)]
     assert await catalog_size(r, catalog) == (3, 300)
     members = await r.zrange(catalog.index, 0, -1)
     assert sorted(members) == [k(1), k(4), k(5)]
+
+
+async def test_a_commit_whose_value_is_gone_is_not_listed(r):
+    """A cascade that found a value there (SET NX) skips its write; if that value expires or is
+    evicted before the commit, listing the block would promise bytes that are not there."""
+    catalog = keys()
+    writer = CatalogWriter(r, catalog, "r0", max_bytes=10_000, tp_size=2, redis_values=True)
+    await put_values(r, catalog, [k(1)], ranks=2)
+    await put_values(r, catalog, [k(2)], ranks=1)  # rank 1's value of k(2) is gone
+    applied = await writer.apply(1, 100, commits=[k(1), k(2), k(3)])
+    assert applied.unlisted == [k(2), k(3)] and applied.evicted == []
+    assert await r.zrange(catalog.index, 0, -1) == [k(1)]
+    assert await catalog_size(r, catalog) == (1, 200)
+    # A directory's files are not Redis values: its commits are listed as they come.
+    files = CatalogWriter(r, keys(), "r0", max_bytes=10_000)
+    assert (await files.apply(1, 100, commits=[k(4)])).unlisted == []
 
 
 async def test_a_deposed_leaders_writes_are_refused(r):
