@@ -45,6 +45,10 @@ log = get_logger("kvledger.worker.shared_tier")
 
 # A Redis value's life until its ledger commits it (then it lives until evicted).
 UNCOMMITTED_TTL_MS = 600_000
+# What a step's shared-tier I/O may take in all: past it, the jobs left are reported unreachable
+# (a hung mount or a server that stopped answering costs one step this much, never the step's
+# own timeout; an abandoned read is dropped, an abandoned write leaves an unlisted file).
+STEP_DEADLINE_S = 5.0
 
 
 class Backend(ABC):
@@ -166,8 +170,11 @@ class WorkerSharedTier:
     """Runs a step's shared-tier copies for this rank (`run`: job id -> failed key indices, and
     the jobs the store could not serve at all)."""
 
-    def __init__(self, backend: Backend, rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, backend: Backend, rank: int = 0, tp_size: int = 1, deadline_s: float = STEP_DEADLINE_S
+    ) -> None:
         self.backend = backend
+        self.deadline_s = deadline_s
         self.rank = rank
         self.tp_size = tp_size
         self.blocks_read = self.blocks_written = self.failures = 0
@@ -180,32 +187,47 @@ class WorkerSharedTier:
         failed: dict[int, list[int]] = {}
         unreachable: list[int] = []
         started = time.perf_counter()
+        deadline = started + self.deadline_s
+
+        def left() -> float:
+            return deadline - time.perf_counter()
+
         for job in transfers.promotions:
-            bad = await self._promote(namespace, job.keys, job.chunks, host)
+            bad = await self._promote(namespace, job.keys, job.chunks, host, left())
             failed[job.job_id] = list(range(len(job.keys))) if bad is None else bad
             if bad is None:
                 unreachable.append(job.job_id)
         read = time.perf_counter()
         for job in transfers.cascades:
-            bad = await self._cascade(namespace, job.keys, job.chunks, host)
+            bad = await self._cascade(namespace, job.keys, job.chunks, host, left())
             failed[job.job_id] = list(range(len(job.keys))) if bad is None else bad
             if bad is None:
                 unreachable.append(job.job_id)
         self.seconds = [read - started, time.perf_counter() - read]
         if transfers.shared_deletes:
             try:
-                await self.backend.delete(namespace, transfers.shared_deletes, self.rank)
+                await asyncio.wait_for(
+                    self.backend.delete(namespace, transfers.shared_deletes, self.rank),
+                    max(left(), 0.0),
+                )
             except Exception as exc:  # the data stays; the catalog no longer lists it
                 log.warning("shared_tier_delete_failed", error=f"{type(exc).__name__}: {exc}")
         return failed, unreachable
 
     async def _promote(
-        self, namespace: str, keys: list[bytes], chunks: list[int], host: HostKVTier
+        self,
+        namespace: str,
+        keys: list[bytes],
+        chunks: list[int],
+        host: HostKVTier,
+        timeout: float | None = None,
     ) -> list[int] | None:
         """Reads `keys` into `chunks`: the indices of the keys missing or corrupt (None: the
-        store could not be read)."""
+        store could not be read within `timeout` seconds)."""
         try:
-            values = await self.backend.read(namespace, keys, self.rank)
+            if timeout is not None and timeout <= 0:
+                raise TimeoutError("the step's shared-tier deadline has passed")
+            values = await asyncio.wait_for(self.backend.read(namespace, keys, self.rank), timeout)
         except Exception as exc:
             self._unreachable("read", keys, exc)
             return None
@@ -228,16 +250,23 @@ class WorkerSharedTier:
         return bad
 
     async def _cascade(
-        self, namespace: str, keys: list[bytes], chunks: list[int], host: HostKVTier
+        self,
+        namespace: str,
+        keys: list[bytes],
+        chunks: list[int],
+        host: HostKVTier,
+        timeout: float | None = None,
     ) -> list[int] | None:
-        """Writes `chunks` under `keys`: [] when written (None: the store could not be
-        written)."""
+        """Writes `chunks` under `keys`: [] when written (None: the store could not be written
+        within `timeout` seconds)."""
         try:
+            if timeout is not None and timeout <= 0:
+                raise TimeoutError("the step's shared-tier deadline has passed")
             values = [
                 pack_block(namespace, key, self.rank, self.tp_size, host.chunk_bytes(chunk))
                 for key, chunk in zip(keys, chunks, strict=True)
             ]
-            await self.backend.write(namespace, keys, self.rank, values)
+            await asyncio.wait_for(self.backend.write(namespace, keys, self.rank, values), timeout)
         except Exception as exc:
             self._unreachable("write", keys, exc)
             return None

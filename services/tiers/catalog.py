@@ -86,7 +86,7 @@ for i = 11 + nc, 10 + nc + nr do
   local k = ARGV[i]
   if redis.call('ZREM', KEYS[1], k) == 1 then removed[#removed + 1] = k end
   redis.call('HDEL', KEYS[6], k)
-  each_value(k, 'DEL')
+  each_value(k, 'UNLINK')
 end
 for i = 11 + nc + nr, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now, ARGV[i]) end
 local total = redis.call('INCRBY', KEYS[3], (#added - #removed) * bpb)
@@ -96,7 +96,7 @@ while total > max_bytes do
   if #popped == 0 then break end
   victims[#victims + 1] = popped[1]
   redis.call('HDEL', KEYS[6], popped[1])
-  each_value(popped[1], 'DEL')
+  each_value(popped[1], 'UNLINK')
   total = redis.call('DECRBY', KEYS[3], bpb)
 end
 if total < 0 then redis.call('SET', KEYS[3], 0) end
