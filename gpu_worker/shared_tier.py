@@ -10,6 +10,12 @@ Two backends, chosen by `--kv-shared-tier`:
   expiry that the ledger's commit lifts (`services.tiers.catalog`): a value whose commit never
   came (its ledger died) goes away on its own.
 
+A directory's files whose commit never came (a ledger fenced or killed, a rank whose write
+failed, a delete lost) have no expiry: one worker of the fleet at a time (a lease in the
+catalog's hash slot) sweeps the namespace's folder every `SWEEP_INTERVAL_S`, deleting the block
+files the catalog does not list and the temporary files, once older than `ORPHAN_GRACE_S` (a
+cascade is committed within a step or two of its write), and the probe folders workers left.
+
 Each block is checked on the way back (`unpack_block`: namespace, key, rank, size, CRC-32), so a
 missing, truncated or corrupt block is a failed copy of that key, never KV in the cache (the
 ledger drops it from the catalog). A job the store could not serve at all (Redis unreachable or
@@ -49,6 +55,8 @@ UNCOMMITTED_TTL_MS = 600_000
 # (a hung mount or a server that stopped answering costs one step this much, never the step's
 # own timeout; an abandoned read is dropped, an abandoned write leaves an unlisted file).
 STEP_DEADLINE_S = 5.0
+ORPHAN_GRACE_S = 1800.0
+SWEEP_INTERVAL_S = 600.0
 
 
 class Backend(ABC):
@@ -166,6 +174,70 @@ def make_backend(spec: SharedTierSpec, r: aioredis.Redis, prefix: str) -> Backen
 PROBE_NAMESPACE = "probe"
 
 
+def _old_files(
+    root: Path, namespace: str, cutoff: float
+) -> tuple[list[tuple[bytes, Path]], list[Path]]:
+    """Under the namespace's folder, the block files (key, path) and the other files (temporary,
+    and every file of the probe folders workers left), last written before `cutoff`."""
+    blocks: list[tuple[bytes, Path]] = []
+    others: list[Path] = []
+    folders = [(root / namespace, True)]
+    if root.is_dir():
+        folders += [(Path(e.path), False) for e in os.scandir(root)
+                    if e.name.startswith(f"{PROBE_NAMESPACE}-") and e.is_dir()]  # fmt: skip
+    for folder, listed in folders:
+        if not folder.is_dir():
+            continue
+        for sub in os.scandir(folder):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(sub.path):
+                try:
+                    if entry.stat(follow_symlinks=False).st_mtime >= cutoff:
+                        continue
+                except FileNotFoundError:
+                    continue
+                hex_key, _, rest = entry.name.partition(".")
+                if listed and rest.endswith("kvb") and not entry.name.startswith("."):
+                    with contextlib.suppress(ValueError):
+                        blocks.append((bytes.fromhex(hex_key), Path(entry.path)))
+                        continue
+                others.append(Path(entry.path))
+    return blocks, others
+
+
+def _unlink_older(paths: list[Path], cutoff: float) -> int:
+    """Each path still last written before `cutoff` (one rewritten since is kept), deleted."""
+    removed = 0
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed += 1
+    return removed
+
+
+async def sweep_orphans(
+    r: aioredis.Redis,
+    keys: SharedTierKeys,
+    root: str | Path,
+    grace_s: float = ORPHAN_GRACE_S,
+    now: float | None = None,
+) -> int:
+    """Deletes the namespace's block files the catalog's index does not list, its temporary
+    files and the probe folders' files, all last written more than `grace_s` ago; how many."""
+    cutoff = (time.time() if now is None else now) - grace_s
+    blocks, doomed = await asyncio.to_thread(_old_files, Path(root), keys.namespace, cutoff)
+    for start in range(0, len(blocks), 512):
+        batch = blocks[start : start + 512]
+        async with r.pipeline(transaction=False) as pipe:
+            for key, _ in batch:
+                pipe.zscore(keys.index, key)
+            scores = await pipe.execute()
+        doomed += [path for (_, path), score in zip(batch, scores, strict=True) if score is None]
+    return await asyncio.to_thread(_unlink_older, doomed, cutoff)
+
+
 class WorkerSharedTier:
     """Runs a step's shared-tier copies for this rank (`run`: job id -> failed key indices, and
     the jobs the store could not serve at all)."""
@@ -175,6 +247,7 @@ class WorkerSharedTier:
     ) -> None:
         self.backend = backend
         self.deadline_s = deadline_s
+        self.namespace = ""  # the ledger's, as its steps name it
         self.rank = rank
         self.tp_size = tp_size
         self.blocks_read = self.blocks_written = self.failures = 0
@@ -183,7 +256,7 @@ class WorkerSharedTier:
     async def run(
         self, transfers: KVTransfers, host: HostKVTier
     ) -> tuple[dict[int, list[int]], list[int]]:
-        namespace = transfers.shared_namespace
+        namespace = self.namespace = transfers.shared_namespace
         failed: dict[int, list[int]] = {}
         unreachable: list[int] = []
         started = time.perf_counter()

@@ -30,7 +30,13 @@ from gpu_worker.parallel import TensorParallel, TensorParallelError
 from gpu_worker.profile import ProfileSettings
 from gpu_worker.request_spans import RequestSpans
 from gpu_worker.runner import ModelRunner, RequestsFailed, RunnerConfig, StepError, StepOutput
-from gpu_worker.shared_tier import WorkerSharedTier, make_backend
+from gpu_worker.shared_tier import (
+    SWEEP_INTERVAL_S,
+    DirectoryBackend,
+    WorkerSharedTier,
+    make_backend,
+    sweep_orphans,
+)
 from gpu_worker.threads import configure_cpu_threads
 from gpu_worker.tp_group import GroupFormer
 from kernels import BackendError
@@ -38,7 +44,7 @@ from observability import get_logger, tracer_if_on
 from services.config import WorkerConfig
 from services.startup import StartupError, freeze_after_startup
 from services.transport import redis_streams, registry
-from services.transport.keys import RESULTS_MAXLEN
+from services.transport.keys import RESULTS_MAXLEN, SharedTierKeys
 from services.wire.codec import WireError, encode, kind_of
 from services.wire.messages import (
     TIER_CPU,
@@ -161,9 +167,14 @@ class WorkerService:
             self.redis_url, self.cfg.streams, self.hello, self.cfg.ttl_s, self.cfg.heartbeat_s
         )
         heartbeat.start()
+        sweeper = None
+        if self.shared is not None and isinstance(self.shared.backend, DirectoryBackend):
+            sweeper = asyncio.create_task(self._sweep(self.shared), name="shared-tier-sweeper")
         try:
             await self._loop()
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             if self.spans is not None:
                 self._trace_last_step()
                 self.spans.close_all("shutdown")
@@ -179,6 +190,24 @@ class WorkerService:
             "cpu_tier_load_s_per_block": round(load, 7),
             "cpu_tier_store_s_per_block": round(store, 7),
         }
+
+    async def _sweep(self, shared: WorkerSharedTier, interval_s: float = SWEEP_INTERVAL_S) -> None:
+        """A directory's files no catalog lists, deleted by one worker of the fleet an interval
+        (a lease in the catalog's hash slot); never the step's business, never fatal."""
+        backend = shared.backend
+        assert isinstance(backend, DirectoryBackend)
+        while True:
+            await asyncio.sleep(interval_s)
+            if not shared.namespace:
+                continue  # no step has named the ledger's namespace yet
+            keys = SharedTierKeys(self.cfg.stream_prefix, shared.namespace)
+            try:
+                lease = int(interval_s * 1000)
+                if await self.r.set(keys.sweeper, self.worker_id, nx=True, px=lease):
+                    removed = await sweep_orphans(self.r, keys, backend.root)
+                    log.info("shared_tier_swept", namespace=shared.namespace, removed=removed)
+            except Exception as exc:
+                log.warning("shared_tier_sweep_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def _measure_shared_tier(self) -> None:
         """What a load from the shared tier costs here, for routers: a promotion (store -> host

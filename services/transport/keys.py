@@ -146,6 +146,12 @@ class SharedTierKeys:
         return f"{self.base}:origin"
 
     @property
+    def sweeper(self) -> str:
+        """A directory backend's sweep lease: the worker holding it deletes the files no catalog
+        lists, once an interval fleet-wide (gpu_worker/shared_tier.py)."""
+        return f"{self.base}:sweeper"
+
+    @property
     def catalog(self) -> list[str]:
         """The catalog's keys, as its script takes them."""
         return [self.index, self.log, self.size, self.fence, self.seq, self.origin]

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Sequence
 
 import torch
 
 from gpu_worker.offload import HostKVTier
-from gpu_worker.shared_tier import Backend, DirectoryBackend, WorkerSharedTier
+from gpu_worker.shared_tier import Backend, DirectoryBackend, WorkerSharedTier, sweep_orphans
 from services.tiers.blocks import block_path
+from services.transport import redis_streams
+from services.transport.keys import SharedTierKeys
 from services.wire.messages import KVTransfers, SharedTransfer
 
 NAMESPACE = "0123456789abcdef"
@@ -93,3 +96,32 @@ async def test_a_store_that_hangs_costs_the_step_its_deadline_and_nothing_else()
     failed, unreachable = await tier.run(transfers, host)
     assert time.perf_counter() - started < 1.0
     assert failed == {1: [0, 1], 2: [0]} and sorted(unreachable) == [1, 2]
+
+
+async def test_the_sweep_deletes_old_files_no_catalog_lists_and_nothing_else(tmp_path, redis_url):
+    """A directory's orphans (a cascade whose commit never came, a temporary file a kill -9
+    left, a probe folder) go once older than the grace; listed blocks and fresh files stay."""
+    r = redis_streams.connect(redis_url)
+    try:
+        keys = SharedTierKeys(f"t{uuid.uuid4().hex[:8]}", NAMESPACE)
+        host = HostKVTier(caches(), 4)
+        tier = WorkerSharedTier(DirectoryBackend(tmp_path))
+        await tier.run(steps(cascade=[1, 2, 3]), host)
+        await r.zadd(keys.index, {key(1): 1})  # only key 1 was committed
+        temporary = block_path(tmp_path, NAMESPACE, key(4), 0).with_name(".x.tmp")
+        temporary.write_bytes(b"half a block")
+        probe = tmp_path / "probe-w9" / "ab" / "abcd.r0.kvb"
+        probe.parent.mkdir(parents=True)
+        probe.write_bytes(b"a probe block")
+        # Nothing is old enough yet.
+        assert await sweep_orphans(r, keys, tmp_path, grace_s=60) == 0
+        # An hour later: the unlisted blocks, the temporary file and the probe's file go.
+        later = time.time() + 3600
+        assert await sweep_orphans(r, keys, tmp_path, grace_s=60, now=later) == 4
+        assert block_path(tmp_path, NAMESPACE, key(1), 0).exists()
+        for gone in (2, 3):
+            assert not block_path(tmp_path, NAMESPACE, key(gone), 0).exists()
+        assert not temporary.exists() and not probe.exists()
+        assert await sweep_orphans(r, keys, tmp_path, grace_s=60, now=later) == 0
+    finally:
+        await r.aclose()
