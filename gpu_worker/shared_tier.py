@@ -266,13 +266,13 @@ class WorkerSharedTier:
             return deadline - time.perf_counter()
 
         for job in transfers.promotions:
-            bad = await self._promote(namespace, job.keys, job.chunks, host, left())
+            bad = await self._promote(namespace, job.keys, job.chunks, host, max(left(), 0.0))
             failed[job.job_id] = list(range(len(job.keys))) if bad is None else bad
             if bad is None:
                 unreachable.append(job.job_id)
         read = time.perf_counter()
         for job in transfers.cascades:
-            bad = await self._cascade(namespace, job.keys, job.chunks, host, left())
+            bad = await self._cascade(namespace, job.keys, job.chunks, host, max(left(), 0.0))
             failed[job.job_id] = list(range(len(job.keys))) if bad is None else bad
             if bad is None:
                 unreachable.append(job.job_id)
@@ -297,9 +297,7 @@ class WorkerSharedTier:
     ) -> list[int] | None:
         """Reads `keys` into `chunks`: the indices of the keys missing or corrupt (None: the
         store could not be read within `timeout` seconds)."""
-        try:
-            if timeout is not None and timeout <= 0:
-                raise TimeoutError("the step's shared-tier deadline has passed")
+        try:  # a deadline already past cancels the read before it starts
             values = await asyncio.wait_for(self.backend.read(namespace, keys, self.rank), timeout)
         except Exception as exc:
             self._unreachable("read", keys, exc)
@@ -333,8 +331,6 @@ class WorkerSharedTier:
         """Writes `chunks` under `keys`: [] when written (None: the store could not be written
         within `timeout` seconds)."""
         try:
-            if timeout is not None and timeout <= 0:
-                raise TimeoutError("the step's shared-tier deadline has passed")
             values = [
                 pack_block(namespace, key, self.rank, self.tp_size, host.chunk_bytes(chunk))
                 for key, chunk in zip(keys, chunks, strict=True)
