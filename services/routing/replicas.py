@@ -279,6 +279,16 @@ class ReplicaSet:
         shared = status.shared_tier
         if shared is not None and not shared.own_server:
             self.shared_tiers.ensure(shared.namespace)
+        if len(self.shared_tiers) > (shared is not None):  # a namespace no replica may name now
+            self.shared_tiers.retain(self._named_namespaces())
+
+    def _named_namespaces(self) -> set[str]:
+        named = set()
+        for state in self.replicas.values():
+            shared = state.status.shared_tier if state.status is not None else None
+            if shared is not None and not shared.own_server:
+                named.add(shared.namespace)
+        return named
 
 
 def load_of(status: LedgerStatus) -> ReplicaLoad:

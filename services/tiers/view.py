@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from ledger.hashing import to_event_hash
+from ledger.offloading.base import offload_key_block_hash
 from services.tiers.catalog import CatalogFollower
 from services.transport.keys import SharedTierKeys
 
@@ -23,8 +25,8 @@ RETRY_S = 1.0
 
 
 def event_hash_of(key: bytes) -> int:
-    """A catalog key's block as KV events name it (ledger.hashing.to_event_hash of the hash)."""
-    return int.from_bytes(key[-12:-4], "big")
+    """A catalog key's block as KV events name it."""
+    return to_event_hash(offload_key_block_hash(key))
 
 
 class SharedTierView:
@@ -78,6 +80,14 @@ class SharedTierViews(Mapping[str, SharedTierView]):
         view.task = asyncio.get_running_loop().create_task(
             view.follow(), name=f"shared-tier-{namespace}"
         )
+
+    def retain(self, namespaces: set[str]) -> None:
+        """Stop following the catalogs no replica names any longer (a model changed: its old
+        namespace's blocks can never be loaded by these replicas again)."""
+        for namespace in [n for n in self.views if n not in namespaces]:
+            view = self.views.pop(namespace)
+            if view.task is not None:
+                view.task.cancel()
 
     async def stop(self) -> None:
         tasks = [view.task for view in self.views.values() if view.task is not None]

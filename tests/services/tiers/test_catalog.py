@@ -1,6 +1,7 @@
 """The shared tier's catalog on a real redis-server: commits, removals and touches in one fenced
 script, the size bound evicting the blocks used longest ago (and their Redis values), and a
-follower that reads the index once and then the log, reloading after a gap."""
+follower that reads the index once and then the log, reloading after a gap; and the views
+routers keep of the catalogs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import uuid
 
 import pytest
 
+from ledger.hashing import to_event_hash
 from services.tiers.catalog import CatalogFollower, CatalogWriter, Fenced, catalog_size
+from services.tiers.view import SharedTierViews
 from services.transport import redis_streams
 from services.transport.keys import SharedTierKeys
 
@@ -143,3 +146,27 @@ async def test_a_follower_past_a_gap_reads_the_whole_index_again(r):
     change = await follower.poll()
     assert change.reloaded and sorted(change.stored) == [k(2), k(3)]
     assert await follower.poll(block_ms=None) is None
+
+
+async def test_a_routers_views_follow_the_catalogs_named_and_drop_the_rest(r):
+    """SharedTierViews (what routers see of the shared tiers): a namespace's catalog followed
+    once named, its blocks by KV-event hash; one no replica names any longer is let go."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    old, new = SharedTierKeys(prefix, "a" * 16), SharedTierKeys(prefix, "b" * 16)
+    views = SharedTierViews(r, prefix)
+    try:
+        views.ensure(old.namespace)
+        views.ensure(new.namespace)
+        await CatalogWriter(r, new, "r0", max_bytes=10_000).apply(1, 100, commits=[k(7)])
+        for _ in range(100):
+            if views[new.namespace].contains(to_event_hash(k(7)[:-4])):
+                break
+            await asyncio.sleep(0.02)
+        assert views[new.namespace].contains(to_event_hash(k(7)[:-4]))
+        task = views[old.namespace].task
+        views.retain({new.namespace})
+        assert list(views) == [new.namespace]
+        await asyncio.sleep(0)
+        assert task is not None and task.cancelled()
+    finally:
+        await views.stop()
