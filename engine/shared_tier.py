@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from engine.leadership import Leadership
-from ledger.offloading.shared import TieringManager
+from ledger.offloading.shared import CatalogChanges, TieringManager
 from observability import get_logger
 from services.config import LedgerConfig
 from services.tiers.catalog import (
@@ -134,6 +134,14 @@ class SharedTierShell:
                 changes.commits, changes.removals, changes.touches,
             )  # fmt: skip
         except Fenced as exc:
+            if await self._fence_outlived_its_counter():
+                await self.writer.lower_fence(self.leadership.token)
+                log.warning(
+                    "shared_tier_fence_lowered", token=self.leadership.token, reason=str(exc),
+                    hint="the replica's token counter restarted (its Redis lost its data)",
+                )  # fmt: skip
+                self._restore(changes)  # written again, first, at the next write
+                return
             self.fenced = True
             self.manager.commit_failed(changes.commits)
             log.warning("shared_tier_fenced", reason=str(exc))
@@ -149,6 +157,22 @@ class SharedTierShell:
         self.manager.evicted(applied.evicted)
         if applied.unlisted:  # their values were gone by the commit: not in the tier after all
             self.manager.commit_failed(applied.unlisted)
+
+    async def _fence_outlived_its_counter(self) -> bool:
+        """Refused by the catalog's fence although no later leader drew a token: the fence was
+        written under a token counter that has restarted since."""
+        leadership = self.leadership
+        try:
+            drawn = int(await leadership.r.get(leadership.token_key) or 0)
+        except (RedisError, OSError):
+            return False
+        return leadership.held() and drawn == leadership.token
+
+    def _restore(self, changes: CatalogChanges) -> None:
+        """Changes to write again at the next write."""
+        self.manager.changes.commits[:0] = changes.commits
+        self.manager.changes.removals[:0] = changes.removals
+        self.manager.changes.touches[:0] = changes.touches
 
     async def refresh_size(self) -> None:
         with contextlib.suppress(RedisError, OSError):

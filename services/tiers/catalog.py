@@ -157,6 +157,12 @@ class CatalogWriter:
     def __post_init__(self) -> None:
         self._script = self.r.register_script(_APPLY)
 
+    async def lower_fence(self, token: int) -> None:
+        """Set this replica's fence to `token`, lower than the one there: only for a leader
+        whose token is the latest its replica drew (the fence there came from a token counter
+        that has since restarted: a main Redis that lost its data, the tier's kept)."""
+        await self.r.hset(self.keys.fence, self.replica, token)
+
     async def apply(
         self,
         token: int,

@@ -365,3 +365,28 @@ async def test_tiers_change_no_greedy_token_of_llama_mistral_or_qwen2(redis_url,
     finally:
         await b.stop()
         await a.stop()
+
+
+async def test_a_fence_left_by_a_token_counter_that_restarted_is_lowered_not_obeyed(
+    redis_url, tiny_model
+):
+    """The tier's catalog keeps each replica's highest leader token. A replica whose token
+        counter restarted (its Redis lost its data, the tier's kept) draws tokens below it: refused
+        as if deposed, it would never write the tier again. The leader whose token is the latest its
+        replica drew lowers the fence and writes (a leader that a later token deposed is still refused:
+    tests/services/tiers/test_catalog.py)."""
+    a = await Stack(
+        redis_url, tiny_model, replica="ra", kv_offloading_size=TIER_GIB,
+        kv_shared_tier=SharedTierSpec("redis"), **SETTINGS,
+    ).start()  # fmt: skip
+    try:
+        ledger = a.ledger
+        catalog = SharedTierKeys(a.prefix, ledger.shared.namespace)
+        await a.r.hset(catalog.fence, "ra", 99)  # from the counter's earlier life
+        await serve(a, documents(), "a")
+        await until(lambda: len(ledger.shared.manager.index) == 12)
+        assert await a.r.zcard(catalog.index) == 12 and not ledger.shared.fenced
+        token = ledger.leadership.token
+        assert int(await a.r.hget(catalog.fence, "ra")) == token < 99
+    finally:
+        await a.stop()
