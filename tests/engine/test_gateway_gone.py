@@ -17,7 +17,10 @@ from services.transport.redis_server import free_port
 from tests.engine.test_leadership import Proc, Replica
 
 LEASE_S = 2.0
-MARGIN_S = 4.0  # the ledger checks markers about once a second, then the engine loop aborts
+# The ledger checks markers about once a second, then the engine loop aborts, and the test reads
+# the ledger's log: on a loaded 2-core machine that took 6.05 s once against a bound of 6.
+# The reasons checked below say which mechanism aborted them; the bound that it was the lease.
+MARGIN_S = 6.0
 SHAPE = ["--block-size", "16", "--max-model-len", "2048"]
 REQUESTS = 4
 MAX_TOKENS = 1900  # long enough that none finishes on its own before the lease runs out
