@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from engine.leadership import Leadership
-from ledger.offloading.shared import CatalogChanges, TieringManager
+from ledger.offloading.shared import TieringManager
 from observability import get_logger
 from services.config import LedgerConfig
 from services.tiers.catalog import (
@@ -140,7 +140,7 @@ class SharedTierShell:
                     "shared_tier_fence_lowered", token=self.leadership.token, reason=str(exc),
                     hint="the replica's token counter restarted (its Redis lost its data)",
                 )  # fmt: skip
-                self._restore(changes)  # written again, first, at the next write
+                self.manager.retry_catalog_changes(changes)
                 return
             self.fenced = True
             self.manager.commit_failed(changes.commits)
@@ -167,12 +167,6 @@ class SharedTierShell:
         except (RedisError, OSError):
             return False
         return leadership.held() and drawn == leadership.token
-
-    def _restore(self, changes: CatalogChanges) -> None:
-        """Changes to write again at the next write."""
-        self.manager.changes.commits[:0] = changes.commits
-        self.manager.changes.removals[:0] = changes.removals
-        self.manager.changes.touches[:0] = changes.touches
 
     async def refresh_size(self) -> None:
         with contextlib.suppress(RedisError, OSError):

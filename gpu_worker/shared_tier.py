@@ -45,7 +45,7 @@ from services.config import SharedTierSpec
 from services.tiers.blocks import CorruptBlock, block_path, pack_block, unpack_block
 from services.tiers.catalog import connect_tier
 from services.transport.keys import SharedTierKeys
-from services.wire.messages import KVTransfers
+from services.wire.messages import KVTransfers, SharedTransfer
 
 log = get_logger("kvledger.worker.shared_tier")
 
@@ -174,6 +174,18 @@ def make_backend(spec: SharedTierSpec, r: aioredis.Redis, prefix: str) -> Backen
 PROBE_NAMESPACE = "probe"
 
 
+def shared_reports(
+    outcomes: Sequence[tuple[SharedTransfer, list[int] | None]],
+) -> tuple[dict[int, list[int]], list[int]]:
+    """A step's report of its shared-tier jobs from each one's outcome (the indices of its keys
+    found bad, or None: the store could not serve it): job id -> failed key indices (all of
+    them for an unreachable job), and the unreachable jobs."""
+    failed = {
+        job.job_id: list(range(len(job.keys))) if bad is None else bad for job, bad in outcomes
+    }
+    return failed, [job.job_id for job, bad in outcomes if bad is None]
+
+
 def _old_files(
     root: Path, namespace: str, cutoff: float
 ) -> tuple[list[tuple[bytes, Path]], list[Path]]:
@@ -257,25 +269,20 @@ class WorkerSharedTier:
         self, transfers: KVTransfers, host: HostKVTier
     ) -> tuple[dict[int, list[int]], list[int]]:
         namespace = self.namespace = transfers.shared_namespace
-        failed: dict[int, list[int]] = {}
-        unreachable: list[int] = []
         started = time.perf_counter()
         deadline = started + self.deadline_s
 
         def left() -> float:
             return deadline - time.perf_counter()
 
+        outcomes: list[tuple[SharedTransfer, list[int] | None]] = []
         for job in transfers.promotions:
             bad = await self._promote(namespace, job.keys, job.chunks, host, max(left(), 0.0))
-            failed[job.job_id] = list(range(len(job.keys))) if bad is None else bad
-            if bad is None:
-                unreachable.append(job.job_id)
+            outcomes.append((job, bad))
         read = time.perf_counter()
         for job in transfers.cascades:
             bad = await self._cascade(namespace, job.keys, job.chunks, host, max(left(), 0.0))
-            failed[job.job_id] = list(range(len(job.keys))) if bad is None else bad
-            if bad is None:
-                unreachable.append(job.job_id)
+            outcomes.append((job, bad))
         self.seconds = [read - started, time.perf_counter() - read]
         if transfers.shared_deletes:
             try:
@@ -285,7 +292,7 @@ class WorkerSharedTier:
                 )
             except Exception as exc:  # the data stays; the catalog no longer lists it
                 log.warning("shared_tier_delete_failed", error=f"{type(exc).__name__}: {exc}")
-        return failed, unreachable
+        return shared_reports(outcomes)
 
     async def _promote(
         self,

@@ -35,6 +35,7 @@ from gpu_worker.shared_tier import (
     DirectoryBackend,
     WorkerSharedTier,
     make_backend,
+    shared_reports,
     sweep_orphans,
 )
 from gpu_worker.threads import configure_cpu_threads
@@ -419,17 +420,12 @@ class WorkerService:
                 "shared_tier_not_configured", step_id=step.step_id,
                 hint="start the worker with the ledger's --kv-shared-tier",
             )  # fmt: skip
-            return _all_unreachable(jobs)
+            return shared_reports([(job, None) for job in jobs])
         try:
             return await self.shared.run(transfers, host)
         except Exception:  # never the step's failure: the blocks are recomputed
             log.exception("shared_tier_failed", step_id=step.step_id)
-            return _all_unreachable(jobs)
-
-
-def _all_unreachable(jobs: list) -> tuple[dict[int, list[int]], list[int]]:
-    """Every job failed, none for its blocks' sake: the catalog keeps them."""
-    return {job.job_id: list(range(len(job.keys))) for job in jobs}, [job.job_id for job in jobs]
+            return shared_reports([(job, None) for job in jobs])
 
 
 async def serve(config: WorkerConfig) -> None:

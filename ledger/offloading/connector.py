@@ -195,13 +195,11 @@ class OffloadingConnectorScheduler:
     ) -> bool:
         """Whether this hit loads within the step: it fits what is left of the step's budget and
         leaves a token to compute (else the request could not be scheduled with it)."""
+        if not self.sync_load_budget_bytes:
+            return False  # (the step's set stays empty)
         req_id = request.request_id
         self._batch_sync_loads.discard(req_id)
-        if (
-            not self.sync_load_budget_bytes
-            or not num_hit_tokens
-            or num_computed_tokens + num_hit_tokens >= request.num_tokens
-        ):
+        if not num_hit_tokens or num_computed_tokens + num_hit_tokens >= request.num_tokens:
             return False
         num_bytes = num_hit_tokens * self.kv_bytes_per_token
         if self._batch_sync_load_bytes + num_bytes > self.sync_load_budget_bytes:

@@ -294,13 +294,11 @@ class TieringManager:
             self.paused_steps = UNREACHABLE_PAUSE_STEPS
             self.stats.unreachable += len(job.keys)
             if job.is_promotion:  # released unannounced; the catalog still lists the blocks
-                self.promoting.difference_update(job.keys)
+                self._promotion_done(job, [], set())
                 assert job.context is not None
                 self.primary.complete_store(job.keys, job.context, False)
             else:
-                self.cascading.difference_update(job.keys)
-                self.primary.unpin(job.keys)
-                self.stats.cascade_failures += len(job.keys)
+                self._cascade_done(job, [], set(job.keys))
         for job_id, failed_indices in failed.items():
             job = self.jobs.pop(job_id, None)
             if job is None:
@@ -353,6 +351,12 @@ class TieringManager:
     def take_catalog_changes(self) -> CatalogChanges:
         changes, self.changes = self.changes, CatalogChanges()
         return changes
+
+    def retry_catalog_changes(self, changes: CatalogChanges) -> None:
+        """Changes taken but not written: written first at the next take."""
+        self.changes.commits[:0] = changes.commits
+        self.changes.removals[:0] = changes.removals
+        self.changes.touches[:0] = changes.touches
 
     def evicted(self, keys: Sequence[OffloadKey]) -> None:
         """Keys this ledger's commits evicted from the tier (the catalog's size bound)."""

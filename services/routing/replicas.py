@@ -279,8 +279,7 @@ class ReplicaSet:
         shared = status.shared_tier
         if shared is not None and not shared.own_server:
             self.shared_tiers.ensure(shared.namespace)
-        if len(self.shared_tiers) > (shared is not None):  # a namespace no replica may name now
-            self.shared_tiers.retain(self._named_namespaces())
+        self.shared_tiers.retain(self._named_namespaces())  # a model changed: its old namespace
 
     def _named_namespaces(self) -> set[str]:
         named = set()
