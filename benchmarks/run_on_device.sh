@@ -5,10 +5,11 @@
 # build in the background, build the kernels, run the GPU tests, run the benchmark. Every step
 # has a time limit and its own log; results land in OUT (first argument, default
 # benchmarks/results): install.log, build.log, gpu_tests.log, gpu_tests.xml,
-# flashinfer_warmup.log, benchmark.log, kernels.json. Tensor parallelism is recorded apart:
-# tp_nccl.log and tp_nccl.json (TP=1 vs TP=2 over NCCL, benchmarks/tp_nccl.py; with one GPU the
-# file says it needs two, since NCCL refuses two ranks on one device). Exits non-zero when any
-# step failed.
+# flashinfer_warmup.log, benchmark.log, kernels.json, tier_load_cost.log and
+# tier_load_cost_cuda.json (issue 25: a CPU-tier load against recompute, per block). Tensor
+# parallelism is recorded apart: tp_nccl.log and tp_nccl.json (TP=1 vs TP=2 over NCCL,
+# benchmarks/tp_nccl.py; with one GPU the file says it needs two, since NCCL refuses two ranks
+# on one device). Exits non-zero when any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-benchmarks/results}"
@@ -40,6 +41,9 @@ step build 240 bash -c "nvidia-smi -L; nvcc --version | tail -1; \
 step gpu_tests 240 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -o addopts="" \
     --junitxml="$OUT/gpu_tests.xml"
 step benchmark 420 "$PY" benchmarks/kernels.py --out "$OUT"
+# Issue 25: a block loaded from the CPU tier (pinned host buffer, DMA) against prefilling it.
+step tier_load_cost 120 "$PY" benchmarks/tier_load_cost.py --models tiny --device cuda \
+    --json "$OUT/tier_load_cost_cuda.json"
 # Needs only torch and safetensors (in the image) and msgspec (installed above).
 step tp_nccl 300 "$PY" benchmarks/tp_nccl.py --json "$OUT/tp_nccl.json"
 wait

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import subprocess
@@ -20,8 +22,10 @@ BUILD_HINT = (
 )
 
 
+@functools.cache
 def oracle_python() -> tuple[Path | None, str]:
-    """The venv's python, or None and why it cannot be used."""
+    """The venv's python, or None and why it cannot be used (probed once a session: importing
+    vLLM takes seconds)."""
     root = os.environ.get(ORACLE_ENV)
     if not root:
         return None, f"{ORACLE_ENV} is unset; {BUILD_HINT}"
@@ -80,6 +84,59 @@ def first_difference(ours: list[dict], theirs: list[dict], what: list[Any]) -> s
     return None
 
 
+# The drivers run forked from a zygote that holds vLLM's imports (tests/oracle/zygote.py: each
+# of its profiles imports what its drivers import, short of deciding vLLM's platform); a run
+# with a PYTHONHASHSEED or arguments of its own, and any other driver, in a process of its own.
+ZYGOTE_PROFILES = {
+    "vllm_serving_driver": "serving",
+    "api_protocol_driver": "serving",
+    "vllm_driver": "bare",
+    "vllm_sched_driver": "bare",
+    "vllm_offload_driver": "bare",
+}
+
+
+class Zygote:
+    """One zygote process (a python of vLLM's venv, a profile), kept for the test session."""
+
+    def __init__(self, python: Path, profile: str, env: dict[str, str], workdir: Path) -> None:
+        self.errors = workdir / f"zygote-{profile}.err"
+        with self.errors.open("w") as errors:
+            self.process = subprocess.Popen(
+                [str(python), str(HERE / "zygote.py"), profile],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env,
+            )  # fmt: skip
+        atexit.register(self.close)
+        self._answer("start")
+
+    def _answer(self, what: str) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            self.process.wait(timeout=30)
+            raise AssertionError(f"the oracle's zygote died ({what}):\n{self.errors.read_text()}")
+        return json.loads(line)
+
+    def run(self, driver: Path, argv: list[str], log: Path, timeout: float) -> int:
+        assert self.process.stdin is not None
+        job = {"driver": str(driver), "argv": argv, "log": str(log), "timeout": timeout}
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.process.stdin.flush()
+        return int(self._answer(driver.name)["rc"])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()  # its end of input: it exits
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+_ZYGOTES: dict[tuple[Path, str], Zygote] = {}
+
+
 def run_driver(
     python: Path,
     driver: str,
@@ -91,7 +148,7 @@ def run_driver(
     args: tuple[str, ...] = (),
     tag: str = "",
 ) -> dict:
-    """One subprocess for a whole batch of traces; vLLM's import costs seconds, not the ops.
+    """One run of a driver for a whole batch of traces; vLLM's import costs seconds, not the ops.
 
     `hash_seed` sets PYTHONHASHSEED for a driver whose results depend on the iteration order of
     sets of str or bytes (as vLLM's offloading connector's do); `tag` names the files of a run.
@@ -103,6 +160,18 @@ def run_driver(
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if hash_seed is not None:
         env["PYTHONHASHSEED"] = hash_seed
+    profile = ZYGOTE_PROFILES.get(driver)
+    if profile is not None and hash_seed is None and not args:
+        zygote = _ZYGOTES.get((python, profile))
+        if zygote is None or zygote.process.poll() is not None:
+            zygote = _ZYGOTES[python, profile] = Zygote(python, profile, env, workdir)
+        log = workdir / f"{name}.log"
+        code = zygote.run(HERE / f"{driver}.py", [str(source), str(target)], log, timeout)
+        if code != 0:
+            raise AssertionError(
+                f"{driver} failed ({code}) in {python}:\n{log.read_text()[-4000:]}"
+            )
+        return json.loads(target.read_text())
     done = subprocess.run(
         [str(python), str(HERE / f"{driver}.py"), str(source), str(target), *args],
         capture_output=True,

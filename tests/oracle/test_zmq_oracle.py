@@ -219,13 +219,15 @@ def test_a_bridge_killed_mid_stream_loses_and_repeats_no_batch_of_vllms_publishe
     prefix = f"o{uuid.uuid4().hex[:8]}"
     log = tmp_path / "bridge.log"
     out = tmp_path / "published.msgpack"
+    caught_up = tmp_path / "caught-up"  # ends the publisher's linger (its replay socket kept up)
     bridge = bridge_process(redis_url, prefix, ports, log)
     wait_for(lambda: bridge.records("bridge_following"), 60, f"bridge start:\n{bridge.output()}")
     publishing = threading.Thread(
         target=lambda: results.append(vllm_zmq.call({
             "cmd": "publish", "endpoint": f"tcp://*:{ports[0]}",
             "replay_endpoint": f"tcp://*:{ports[1]}", "batch_events": 100, "batches": batches,
-            "rate": rate, "buffer_steps": 10_000, "seed": 7, "linger_s": 15.0, "out": str(out),
+            "rate": rate, "buffer_steps": 10_000, "seed": 7, "linger_s": 60.0,
+            "linger_until": str(caught_up), "out": str(out),
         }, timeout=600))
     )  # fmt: skip
     results: list[dict] = []
@@ -240,10 +242,12 @@ def test_a_bridge_killed_mid_stream_loses_and_repeats_no_batch_of_vllms_publishe
     try:
         wait_for(lambda: last_source_seq(redis_url, prefix) == batches - 1, 300,
                  f"the restarted bridge did not catch up:\n{bridge.output()}")  # fmt: skip
+        caught_up.touch()
         resumed = bridge.records("bridge_following")[0]
         assert resumed["resumed_after"] == killed_at
         assert bridge.records("bridge_reset") == []
     finally:
+        caught_up.touch()
         bridge.stop()
         publishing.join()
     assert results and results[0]["batches"] == batches, results

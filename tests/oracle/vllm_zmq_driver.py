@@ -25,6 +25,7 @@ bytes with vLLM's encoder.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import threading
@@ -347,7 +348,11 @@ def publish(cmd: dict[str, Any]) -> dict[str, Any]:
     while publisher._event_queue.qsize():
         time.sleep(0.01)
     elapsed = time.perf_counter() - started
-    time.sleep(cmd.get("linger_s", 0.0))  # replay stays up for a late reader
+    # Replay stays up for a late reader: `linger_s` at most, less once `linger_until` (a path)
+    # exists, which the reader's side creates when it has every batch.
+    deadline, done = time.monotonic() + cmd.get("linger_s", 0.0), cmd.get("linger_until")
+    while time.monotonic() < deadline and not (done and os.path.exists(done)):
+        time.sleep(0.05)
     publisher.shutdown()
     # publish() set each batch's data_parallel_rank: these are the bytes it sent.
     published = [(i, ENCODE(batch)) for i, batch in enumerate(built)]
