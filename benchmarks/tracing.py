@@ -23,6 +23,7 @@ sampling-1.0 run); each against its target (>= 0.95x at 1.0, >= 0.99x at the rat
 spans per request): met when the interval's lower end clears it, not met when its upper end is
 below it, else not resolved by the run. `--aa` is the control: three untraced stacks in the
 same places, measured and judged the same way (what the benchmark reads when nothing differs).
+`--pool A.json B.json` runs nothing: it judges the rounds of earlier runs together.
 """
 
 from __future__ import annotations
@@ -410,6 +411,39 @@ def verdict(low: float, high: float, target: float, *, at_least: bool = True) ->
     return "not resolved"
 
 
+def pooled(files: list[Path]) -> str:
+    """Earlier runs' rounds (their --json files) judged together, as one run judges its own:
+    each traced stack's per-round ratios to its round's untraced run, the median and its
+    bootstrap interval, against the target of the stack's place (1.0's, then the ratio's)."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for path in files:
+        runs = json.loads(path.read_text())["runs"]
+        for name in [name for name in runs if name != "off"]:
+            for run, base in zip(runs[name], runs["off"], strict=True):
+                by = ratios.setdefault(name, {"throughput": [], "CPU per token, inverted": []})
+                by["throughput"].append(
+                    run["output_tokens"] / run["wall_s"] / (base["output_tokens"] / base["wall_s"])
+                )
+                by["CPU per token, inverted"].append(
+                    sum(base["cpu_s"].values()) / base["output_tokens"]
+                    / (sum(run["cpu_s"].values()) / run["output_tokens"])
+                )  # fmt: skip
+    rows = []
+    for (name, by), target in zip(ratios.items(), (TARGET_ON, TARGET_RATIO), strict=False):
+        for label, values in by.items():
+            median, low, high = median_ci(values)
+            rows.append(
+                [f"{name} / off, {label}", f"{median:.3f}x", f"{low:.3f}-{high:.3f}",
+                 f"{min(values):.3f}-{max(values):.3f}", f">= {target}x",
+                 verdict(low, high, target)]
+            )  # fmt: skip
+    rounds = len(next(iter(ratios.values()))["throughput"]) if ratios else 0
+    return format_table(
+        ["measure", "median", "95% CI", "range", "target", "verdict"], rows,
+        title=f"{rounds} rounds pooled from {', '.join(p.name for p in files)}",
+    )  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -438,10 +472,20 @@ def main() -> int:
         "and any bias of a stack's place), judged against the same targets",
     )
     parser.add_argument("--json", type=Path, help="write every run here")
+    parser.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: the rounds of these earlier runs' --json files judged together",
+    )
     parser.add_argument("--serve-receiver", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_receiver:
         serve_receiver(args.serve_receiver)
+        return 0
+    if args.pool:
+        print(pooled(args.pool))
         return 0
 
     prompts = workload(args)
@@ -531,16 +575,17 @@ def main() -> int:
         1000 * sum(run.cpu_s.values()) / args.requests for run in off.runs
     )
     estimate = 1 / (1 + isolated_us / 1000 / off_cpu_per_request_ms)
-    summary.append(
-        ["on 1.0 / off, CPU estimate from the spans' cost in isolation", f"{estimate:.3f}x", "",
-         f"{isolated_us:.0f} us a request / {off_cpu_per_request_ms:.1f} ms", f">= {TARGET_ON}x",
-         "met" if estimate >= TARGET_ON else "not met"]
-    )  # fmt: skip
-    summary.append(
-        ["spans per request", spans_median, "",
-         f"{min(per_request, default=0)}-{max(per_request, default=0)}",
-         f"<= {TARGET_SPANS}", "met" if spans_median <= TARGET_SPANS else "not met"]
-    )  # fmt: skip
+    if not args.aa:  # the control traces nothing: no spans to count or estimate
+        summary.append(
+            ["on 1.0 / off, CPU estimate from the spans' cost in isolation", f"{estimate:.3f}x",
+             "", f"{isolated_us:.0f} us a request / {off_cpu_per_request_ms:.1f} ms",
+             f">= {TARGET_ON}x", "met" if estimate >= TARGET_ON else "not met"]
+        )  # fmt: skip
+        summary.append(
+            ["spans per request", spans_median, "",
+             f"{min(per_request, default=0)}-{max(per_request, default=0)}",
+             f"<= {TARGET_SPANS}", "met" if spans_median <= TARGET_SPANS else "not met"]
+        )  # fmt: skip
     print()
     table = format_table(
         ["measure", "median", "95% CI", "range", "target", "verdict"], summary,
