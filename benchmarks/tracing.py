@@ -52,6 +52,7 @@ from kvledger.report import format_table  # noqa: E402
 from services.transport.redis_server import free_port  # noqa: E402
 
 TARGET_ON, TARGET_RATIO, TARGET_SPANS = 0.95, 0.99, 20
+TARGETS = (TARGET_ON, TARGET_RATIO)  # the traced stacks' targets, in their places
 
 
 # --- the receiver: a child process that counts spans per trace --------------------------------
@@ -411,36 +412,50 @@ def verdict(low: float, high: float, target: float, *, at_least: bool = True) ->
     return "not resolved"
 
 
-def pooled(files: list[Path]) -> str:
-    """Earlier runs' rounds (their --json files) judged together, as one run judges its own:
-    each traced stack's per-round ratios to its round's untraced run, the median and its
-    bootstrap interval, against the target of the stack's place (1.0's, then the ratio's)."""
-    ratios: dict[str, dict[str, list[float]]] = {}
-    for path in files:
-        runs = json.loads(path.read_text())["runs"]
-        for name in [name for name in runs if name != "off"]:
-            for run, base in zip(runs[name], runs["off"], strict=True):
-                by = ratios.setdefault(name, {"throughput": [], "CPU per token, inverted": []})
-                by["throughput"].append(
-                    run["output_tokens"] / run["wall_s"] / (base["output_tokens"] / base["wall_s"])
-                )
-                by["CPU per token, inverted"].append(
-                    sum(base["cpu_s"].values()) / base["output_tokens"]
-                    / (sum(run["cpu_s"].values()) / run["output_tokens"])
-                )  # fmt: skip
-    rows = []
-    for (name, by), target in zip(ratios.items(), (TARGET_ON, TARGET_RATIO), strict=False):
-        for label, values in by.items():
+def judge(
+    traced: list[tuple[str, list[Run], float]], off: list[Run]
+) -> tuple[list[list[str]], dict[str, dict[str, float | str]]]:
+    """Each traced stack's rounds against the untraced run of the same round, by throughput and
+    by CPU per token: the median ratio, its bootstrap interval, the range and the verdict
+    against the stack's target. Returns the table's rows and the same figures by measure."""
+    rows: list[list[str]] = []
+    results: dict[str, dict[str, float | str]] = {}
+    measures = (
+        ("throughput", lambda run, base: run.tok_s / base.tok_s),
+        # as a throughput would be, were CPU all it took
+        ("CPU per token, inverted", lambda run, base: base.cpu_ms_per_token / run.cpu_ms_per_token),
+    )
+    for name, runs, target in traced:
+        for label, how in measures:
+            values = [how(run, base) for run, base in zip(runs, off, strict=True)]
             median, low, high = median_ci(values)
+            met = verdict(low, high, target)
+            results[f"{name} / off, {label}"] = {
+                "median": median, "ci95_low": low, "ci95_high": high, "min": min(values),
+                "max": max(values), "target": target, "verdict": met,
+            }  # fmt: skip
             rows.append(
                 [f"{name} / off, {label}", f"{median:.3f}x", f"{low:.3f}-{high:.3f}",
-                 f"{min(values):.3f}-{max(values):.3f}", f">= {target}x",
-                 verdict(low, high, target)]
+                 f"{min(values):.3f}-{max(values):.3f}", f">= {target}x", met]
             )  # fmt: skip
-    rounds = len(next(iter(ratios.values()))["throughput"]) if ratios else 0
+    return rows, results
+
+
+def pooled(files: list[Path]) -> str:
+    """Earlier runs' rounds (their --json files) judged together, as one run judges its own:
+    the traced stacks in their places (1.0's target, then the ratio's)."""
+    runs: dict[str, list[Run]] = {}
+    for path in files:
+        for name, saved in json.loads(path.read_text())["runs"].items():
+            runs.setdefault(name, []).extend(Run(**run) for run in saved)
+    off = runs.pop("off")
+    traced = [
+        (name, stack, target) for (name, stack), target in zip(runs.items(), TARGETS, strict=True)
+    ]
+    rows, _ = judge(traced, off)
     return format_table(
         ["measure", "median", "95% CI", "range", "target", "verdict"], rows,
-        title=f"{rounds} rounds pooled from {', '.join(p.name for p in files)}",
+        title=f"{len(off)} rounds pooled from {', '.join(p.name for p in files)}",
     )  # fmt: skip
 
 
@@ -545,30 +560,13 @@ def main() -> int:
     )  # fmt: skip
     print(table)
 
-    def ratios(stack: Stack, how) -> list[float]:
-        return [how(stack.runs[n], off.runs[n]) for n in range(args.rounds)]
-
-    def throughput(run: Run, base: Run) -> float:
-        return run.tok_s / base.tok_s
-
-    def cpu(run: Run, base: Run) -> float:  # as a throughput would be, were CPU all it took
-        return base.cpu_ms_per_token / run.cpu_ms_per_token
-
-    summary = []
-    results: dict[str, dict[str, float | str]] = {}
-    for stack, target in ((on, TARGET_ON), (ratio, TARGET_RATIO)):
-        for label, how in (("throughput", throughput), ("CPU per token, inverted", cpu)):
-            values = ratios(stack, how)
-            median, low, high = median_ci(values)
-            met = verdict(low, high, target)
-            results[f"{stack.name} / off, {label}"] = {
-                "median": median, "ci95_low": low, "ci95_high": high, "min": min(values),
-                "max": max(values), "target": target, "verdict": met,
-            }  # fmt: skip
-            summary.append(
-                [f"{stack.name} / off, {label}", f"{median:.3f}x", f"{low:.3f}-{high:.3f}",
-                 f"{min(values):.3f}-{max(values):.3f}", f">= {target}x", met]
-            )  # fmt: skip
+    summary, results = judge(
+        [
+            (stack.name, stack.runs, target)
+            for stack, target in zip((on, ratio), TARGETS, strict=True)
+        ],
+        off.runs,
+    )
     spans_median = statistics.median(per_request) if per_request else 0
     isolated_us = isolated_span_cost()
     off_cpu_per_request_ms = statistics.median(

@@ -167,11 +167,19 @@ def run_driver(
             zygote = _ZYGOTES[python, profile] = Zygote(python, profile, env, workdir)
         log = workdir / f"{name}.log"
         code = zygote.run(HERE / f"{driver}.py", [str(source), str(target)], log, timeout)
-        if code != 0:
-            raise AssertionError(
-                f"{driver} failed ({code}) in {python}:\n{log.read_text()[-4000:]}"
-            )
-        return json.loads(target.read_text())
+        output = log.read_text() if code != 0 else ""
+    else:
+        done = subprocess.run(
+            [str(python), str(HERE / f"{driver}.py"), str(source), str(target), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
+        code, output = done.returncode, done.stderr
+    if code != 0:
+        raise AssertionError(f"{driver} failed ({code}) in {python}:\n{output[-4000:]}")
+    return json.loads(target.read_text())
     done = subprocess.run(
         [str(python), str(HERE / f"{driver}.py"), str(source), str(target), *args],
         capture_output=True,
